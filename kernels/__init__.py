@@ -1,0 +1,1 @@
+"""Triton kernels (installed as ``loka_torchrec.kernels``); each sits beside its launcher and a pure-torch reference."""

@@ -1,0 +1,1 @@
+"""LoKA for TorchRec."""

@@ -1,0 +1,131 @@
+"""The interface every GEMM backend implements, and the registry that names them."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+
+import torch
+
+from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.evidence import GemmShape
+
+__all__ = [
+    "Availability",
+    "GemmBackend",
+    "BackendUnavailableError",
+    "register_backend",
+    "get_backend",
+    "backend_names",
+]
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for on a machine where it cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run on a device, and why not when it cannot."""
+
+    ok: bool
+    reason: str = ""
+
+
+class GemmBackend(abc.ABC):
+    """One way to compute ``C (M, N) = A (M, K) @ B (N, K)^T`` with quantized operands.
+
+    A backend quantizes operands (:meth:`quantize`, returning whatever operand type its GEMM
+    wants) and multiplies them (:meth:`mm`). The two are separate so that a caller can quantize
+    a weight once per step and reuse it, and keep a saved activation in the backend's format.
+
+    Class attributes a backend declares:
+        name: registry name, e.g. ``"scaled_mm"``.
+        recipes: recipe names it implements (see :mod:`loka_torchrec.dispatch.recipes`).
+        devices: device types it can run on (``"cpu"``, ``"cuda"``).
+        fused_quantize: whether its quantization is a single fused kernel.
+    """
+
+    name: ClassVar[str]
+    recipes: ClassVar[Tuple[str, ...]]
+    devices: ClassVar[Tuple[str, ...]]
+    fused_quantize: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._availability: Dict[str, Availability] = {}
+
+    # ----------------------------------------------------------------------------- capability
+    def availability(self, device: "torch.device | str") -> Availability:
+        """Cheap, cached check that this backend runs on ``device``, with the reason if not."""
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._availability:
+            if device.type not in self.devices:
+                result = Availability(False, f"{self.name} runs on {'/'.join(self.devices)}, not {device.type}")
+            else:
+                try:
+                    result = self._probe(device)
+                except Exception as exc:  # a failing probe is an unavailable backend, with its reason
+                    result = Availability(False, f"{type(exc).__name__}: {exc}")
+            self._availability[key] = result
+        return self._availability[key]
+
+    def _probe(self, device: torch.device) -> Availability:
+        """Backend-specific availability check; the default says yes."""
+        return Availability(True)
+
+    def alignment(self, device: "torch.device | str") -> int:
+        """Required multiple for ``K`` and ``N`` on ``device`` (1 = no constraint)."""
+        return 1
+
+    def check(self, recipe: GemmRecipe, shape: GemmShape, device: "torch.device | str") -> Optional[str]:
+        """``None`` if this backend can run ``recipe`` at ``shape`` on ``device``, else the reason."""
+        available = self.availability(device)
+        if not available.ok:
+            return available.reason
+        if recipe.name not in self.recipes:
+            return f"{self.name} has no recipe {recipe.name!r} (has: {', '.join(self.recipes)})"
+        align = self.alignment(device)
+        if align > 1 and (shape.k % align or shape.n % align):
+            return f"{self.name} needs K and N to be multiples of {align} on {torch.device(device).type}; got K={shape.k}, N={shape.n}"
+        return None
+
+    # ----------------------------------------------------------------------------- compute
+    @abc.abstractmethod
+    def quantize(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Any:
+        """Quantize a ``(rows, K)`` operand (any strides) into this backend's operand type."""
+
+    @abc.abstractmethod
+    def mm(self, a: Any, b: Any, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
+        """``A @ B^T`` of two operands from :meth:`quantize`; returns ``(M, N)`` in ``out_dtype``."""
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
+        """Quantize both high-precision operands and multiply: ``A (M, K) @ B (N, K)^T``."""
+        return self.mm(self.quantize(a, recipe.a, name="A"), self.quantize(b, recipe.b, name="B"), recipe, out_dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, recipes={self.recipes})"
+
+
+_REGISTRY: Dict[str, GemmBackend] = {}
+
+
+def register_backend(cls: Type[GemmBackend]) -> Type[GemmBackend]:
+    """Class decorator: register a backend under ``cls.name`` (a duplicate name is refused)."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"a GEMM backend named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def backend_names() -> List[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> GemmBackend:
+    """The registered backend ``name``; a clear error lists the known names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backend: unknown GEMM backend {name!r}; expected one of {', '.join(backend_names())}") from None

@@ -1,0 +1,36 @@
+"""``bf16``: the high-precision baseline every FP8 candidate is measured against.
+
+On CUDA it multiplies in bfloat16 (fp32 accumulation). On the CPU it multiplies in the operands'
+own dtype (the model's, usually fp32), since that is what the CPU job would otherwise run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loka_torchrec.dispatch.backends.base import GemmBackend, register_backend
+from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+
+__all__ = ["HighPrecisionBackend", "high_precision_dtype"]
+
+
+def high_precision_dtype(t: torch.Tensor) -> torch.dtype:
+    """bf16 on CUDA; the tensor's own float dtype elsewhere."""
+    return torch.bfloat16 if t.is_cuda else t.dtype
+
+
+@register_backend
+class HighPrecisionBackend(GemmBackend):
+    name = "bf16"
+    recipes = ("hp",)
+    devices = ("cpu", "cuda")
+
+    def quantize(self, t: torch.Tensor, spec: OperandSpec = None, *, name: str = "operand") -> torch.Tensor:
+        return t.to(high_precision_dtype(t))
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe = None, out_dtype: torch.dtype = None) -> torch.Tensor:
+        out = a @ b.t()
+        return out if out_dtype is None else out.to(out_dtype)
+
+    def gemm(self, a, b, recipe=None, out_dtype=None):
+        return self.mm(self.quantize(a), self.quantize(b), recipe, out_dtype)

@@ -1,0 +1,70 @@
+"""Recipes: how each operand of one GEMM is quantized.
+
+A recipe name (``"tensorwise"``, ``"rowwise"``, ``"blockwise"``) plus the GEMM role fix the
+format, granularity and tile of both operands (see :mod:`loka_torchrec.evidence` for the
+operand layout of each role):
+
+* activations and weights are E4M3;
+* gradients (``A`` of ``dgrad`` and ``wgrad``) use ``grad_format`` (E4M3 by default: with
+  per-tensor or finer scaling its extra mantissa bit beats E5M2's range; E5M2 is one flag away);
+* blockwise uses 1x128 tiles for activations and gradients and 128x128 for weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from loka_torchrec.evidence import GemmRole
+from loka_torchrec.fp8 import Fp8Format, Granularity
+
+__all__ = ["OperandSpec", "GemmRecipe", "FP8_RECIPE_NAMES", "recipe_for"]
+
+FP8_RECIPE_NAMES = ("tensorwise", "rowwise", "blockwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandSpec:
+    """How one GEMM operand of shape ``(rows, K)`` is quantized."""
+
+    fmt: Fp8Format
+    granularity: Granularity
+    block: Optional[Tuple[int, int]] = None
+    power_of_two: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRecipe:
+    """The quantization of both operands of ``C = A @ B^T`` and the accumulation mode."""
+
+    name: str
+    a: OperandSpec
+    b: OperandSpec
+    fast_accum: bool = False
+
+
+def recipe_for(
+    name: str,
+    role: GemmRole,
+    *,
+    grad_format: Fp8Format = Fp8Format.E4M3,
+    power_of_two: bool = False,
+    fast_accum: bool = False,
+) -> GemmRecipe:
+    """The :class:`GemmRecipe` that recipe ``name`` uses for ``role``."""
+    role = GemmRole(role)
+    if name not in FP8_RECIPE_NAMES:
+        raise ValueError(f"recipe: unknown FP8 recipe {name!r}; expected one of {', '.join(FP8_RECIPE_NAMES)}")
+    granularity = Granularity(name)
+    a_fmt = Fp8Format.E4M3 if role == GemmRole.FORWARD else Fp8Format.parse(grad_format, field="grad_format")
+    act_block = (1, 128) if granularity == Granularity.BLOCKWISE else None
+    # B is the weight in fwd and dgrad, the activation x^T in wgrad.
+    b_block = None
+    if granularity == Granularity.BLOCKWISE:
+        b_block = (1, 128) if role == GemmRole.GRAD_WEIGHT else (128, 128)
+    return GemmRecipe(
+        name=name,
+        a=OperandSpec(a_fmt, granularity, act_block, power_of_two),
+        b=OperandSpec(Fp8Format.E4M3, granularity, b_block, power_of_two),
+        fast_accum=fast_accum,
+    )

@@ -1,0 +1,61 @@
+"""Error metrics between a low-precision result and a high-precision reference.
+
+All three compute in float64.
+
+* :func:`mere` -- mean elementwise relative error ``mean(|out - ref| / max(|ref|, floor))``.
+  Guard for ``ref`` near zero: the denominator is floored at ``floor_fraction * mean(|ref|)``
+  (default 1e-3), so elements whose reference is essentially zero contribute their absolute
+  error relative to the tensor's typical magnitude instead of dividing by ~0.
+* :func:`sqnr_db` -- signal to quantization-noise ratio ``10 log10(|ref|^2 / |out - ref|^2)``;
+  ``inf`` when the two are equal.
+* :func:`relative_frobenius` -- ``|out - ref|_F / |ref|_F``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["mere", "sqnr_db", "relative_frobenius"]
+
+
+def _pair(out: torch.Tensor, ref: torch.Tensor):
+    if out.shape != ref.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)} but ref has shape {tuple(ref.shape)}")
+    return out.detach().to(torch.float64), ref.detach().to(torch.float64)
+
+
+def mere(out: torch.Tensor, ref: torch.Tensor, *, floor_fraction: float = 1e-3) -> float:
+    """Mean elementwise relative error of ``out`` against ``ref`` (see the module docstring)."""
+    out, ref = _pair(out, ref)
+    if ref.numel() == 0:
+        return 0.0
+    mag = ref.abs()
+    floor = floor_fraction * float(mag.mean())
+    denom = mag.clamp(min=floor) if floor > 0 else mag
+    err = (out - ref).abs()
+    rel = torch.where(denom > 0, err / denom.clamp(min=1e-300), torch.where(err > 0, math.inf, 0.0))
+    return float(rel.mean())
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal to quantization-noise ratio in dB (higher is better)."""
+    out, ref = _pair(out, ref)
+    noise = float(((out - ref) ** 2).sum())
+    signal = float((ref**2).sum())
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def relative_frobenius(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|out - ref|_F / |ref|_F`` (``inf`` for a zero reference and a nonzero error)."""
+    out, ref = _pair(out, ref)
+    num = float(torch.linalg.vector_norm(out - ref))
+    den = float(torch.linalg.vector_norm(ref))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
