@@ -1,0 +1,56 @@
+"""The one configuration object of LoKA, assembled from each capability's own frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Type, TypeVar
+
+from loka_torchrec.dispatch.config import DispatchConfig
+
+__all__ = ["LokaConfig", "from_mapping"]
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: Type[T], values: Mapping[str, Any], *, field: str) -> T:
+    """Build a frozen dataclass from a mapping; unknown keys raise an error naming them."""
+    if values is None:
+        return cls()
+    if dataclasses.is_dataclass(values):
+        return values  # already built
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{field}: unknown option(s) {unknown}; expected some of {sorted(known)}")
+    kwargs = {}
+    for k, v in values.items():
+        kwargs[k] = tuple(v) if isinstance(v, (list, tuple)) else v
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LokaConfig:
+    """Everything LoKA does to a job. ``enabled=False`` (the default) changes nothing.
+
+    Attributes:
+        enabled: the one switch.
+        dispatch: per-GEMM kernel choice (:class:`~loka_torchrec.dispatch.config.DispatchConfig`).
+    """
+
+    enabled: bool = False
+    dispatch: DispatchConfig = DispatchConfig()
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "LokaConfig":
+        """From a plain (e.g. Hydra/OmegaConf-resolved) mapping; names the field of any error."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"loka: unknown option(s) {unknown}; expected some of {sorted(known)}")
+        kwargs: Dict[str, Any] = {"enabled": bool(values.get("enabled", False))}
+        for f in dataclasses.fields(cls):
+            if f.name == "enabled" or f.name not in values:
+                continue
+            kwargs[f.name] = from_mapping(type(f.default), values[f.name], field=f"loka.{f.name}")
+        return cls(**kwargs)

@@ -1,0 +1,101 @@
+"""Dispatch configuration (data only)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from loka_torchrec.evidence import KernelChoice
+from loka_torchrec.fp8 import Fp8Format
+
+__all__ = ["DispatchConfig", "DISPATCH_MODES", "EVIDENCE_SOURCES"]
+
+DISPATCH_MODES = ("policy", "all-bf16", "all", "pinned")
+EVIDENCE_SOURCES = ("random", "probe")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchConfig:
+    """How LoKA chooses a kernel for each GEMM.
+
+    Attributes:
+        mode: ``"policy"`` (measure candidates, keep the accurate ones that are fast enough, take
+            the fastest, else bf16), ``"all-bf16"``, ``"all:<backend>:<recipe>"`` (every converted
+            GEMM on one kernel, to compare), or ``"pinned"`` (load ``plan_path``, for resume and
+            inference).
+        plan_path: the plan JSON for ``mode="pinned"``.
+        candidates: ``"backend:recipe"`` names to consider, or ``("auto",)`` for every FP8
+            backend and recipe available on the device (``emulated`` excluded: it is a reference).
+        max_mere: accuracy gate: a candidate's MERE upper confidence bound must be below this.
+        min_speedup: speed gate: its speedup lower bound over bf16 must be at least this.
+        evidence: who measures candidates in ``policy`` mode: ``"random"`` (random inputs at the
+            layer's real shapes, right after ``plan_at_step`` steps) or ``"probe"`` (the Probe's
+            learned distributions, at the end of its warm-up window).
+        plan_at_step: with ``evidence="random"``, plan after this many training steps (the
+            first steps run in bf16 and reveal each layer's row count).
+        samples: random-evidence error samples per layer, role and candidate.
+        timing_reps: timed repetitions per candidate.
+        include, exclude: FQN globs of the ``nn.Linear`` layers to convert (``fnmatch``).
+        min_features: convert only layers whose ``in_features`` and ``out_features`` are both at
+            least this.
+        grad_format: FP8 format of gradients in the dgrad and wgrad GEMMs.
+        fallback: what to do when a backend named in ``mode``/``candidates`` is unavailable:
+            ``"error"`` (refuse to start, naming it and why) or ``"bf16"`` (warn and use bf16).
+    """
+
+    mode: str = "policy"
+    plan_path: Optional[str] = None
+    candidates: Tuple[str, ...] = ("auto",)
+    max_mere: float = 0.2
+    min_speedup: float = 1.05
+    evidence: str = "random"
+    plan_at_step: int = 2
+    samples: int = 8
+    timing_reps: int = 5
+    include: Tuple[str, ...] = ("*",)
+    exclude: Tuple[str, ...] = ()
+    min_features: int = 1
+    grad_format: str = "e4m3"
+    fallback: str = "error"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.mode not in DISPATCH_MODES and not self.mode.startswith("all:"):
+            raise ValueError(
+                f"dispatch.mode: expected one of policy, all-bf16, all:<backend>:<recipe>, pinned; got {self.mode!r}"
+            )
+        if self.mode.startswith("all:"):
+            KernelChoice.parse(self.mode[len("all:"):], field="dispatch.mode")
+        if self.mode == "pinned" and not self.plan_path:
+            raise ValueError("dispatch.plan_path: required when dispatch.mode is 'pinned'")
+        if self.evidence not in EVIDENCE_SOURCES:
+            raise ValueError(f"dispatch.evidence: expected one of {', '.join(EVIDENCE_SOURCES)}; got {self.evidence!r}")
+        for name in self.candidates:
+            if name != "auto":
+                KernelChoice.parse(name, field="dispatch.candidates")
+        if not self.max_mere > 0:
+            raise ValueError(f"dispatch.max_mere: must be > 0, got {self.max_mere}")
+        if self.min_speedup < 0:
+            raise ValueError(f"dispatch.min_speedup: must be >= 0, got {self.min_speedup}")
+        if self.plan_at_step < 1:
+            raise ValueError(f"dispatch.plan_at_step: must be >= 1, got {self.plan_at_step}")
+        if self.samples < 2:
+            raise ValueError(f"dispatch.samples: must be >= 2 (a confidence interval needs two), got {self.samples}")
+        if self.timing_reps < 1:
+            raise ValueError(f"dispatch.timing_reps: must be >= 1, got {self.timing_reps}")
+        if self.min_features < 1:
+            raise ValueError(f"dispatch.min_features: must be >= 1, got {self.min_features}")
+        if self.fallback not in ("error", "bf16"):
+            raise ValueError(f"dispatch.fallback: expected 'error' or 'bf16', got {self.fallback!r}")
+        Fp8Format.parse(self.grad_format, field="dispatch.grad_format")
+
+    @property
+    def static_choice(self) -> Optional[KernelChoice]:
+        """The single kernel of ``all:<backend>:<recipe>`` mode (bf16 for ``all-bf16``), else ``None``."""
+        if self.mode == "all-bf16":
+            return KernelChoice("bf16", "hp")
+        if self.mode.startswith("all:"):
+            return KernelChoice.parse(self.mode[len("all:"):])
+        return None

@@ -1,0 +1,317 @@
+"""The runtime that owns the plan: decides, keeps ranks identical, applies, records.
+
+A :class:`Dispatcher` is made by :func:`loka_torchrec.apply`. It holds the converted layers
+(``LokaLinear`` modules, by canonical FQN), sets each layer's kernels from the current plan, and
+implements :class:`~loka_torchrec.evidence.EvidenceConsumer`, so the Probe can hand it evidence
+and pull its safety valve. In ``policy`` mode with ``evidence="random"`` it measures candidates
+itself after ``plan_at_step`` training steps (:meth:`on_step_end`).
+
+All ranks run the identical plan: rank 0 decides and broadcasts, every rank applies, and the
+digests of what each rank actually runs are all-gathered and compared; a mismatch raises
+:class:`PlanMismatchError` naming the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from loka_torchrec.dispatch.backends import get_backend
+from loka_torchrec.dispatch.backends.base import BackendUnavailableError
+from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
+from loka_torchrec.dispatch.policy import decide
+from loka_torchrec.dispatch.random_evidence import measure_random_evidence
+from loka_torchrec.dispatch.recipes import recipe_for
+from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
+from loka_torchrec.fp8 import Fp8Format
+
+__all__ = ["Dispatcher", "PlanMismatchError", "resolve_candidates"]
+
+logger = logging.getLogger("loka_torchrec.dispatch")
+
+PLAN_FILE = "dispatch_plan.json"
+EVENTS_FILE = "dispatch_events.jsonl"
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks ended up running different kernels."""
+
+
+def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[KernelChoice]:
+    """The FP8 candidates of ``config`` that can run on ``device``.
+
+    ``"auto"`` expands to every recipe of every registered FP8 backend that is available here
+    (``emulated`` excluded). A candidate named explicitly that cannot run here raises
+    :class:`BackendUnavailableError` naming it and why, unless ``config.fallback == "bf16"``
+    (then it is dropped with a warning).
+    """
+    from loka_torchrec.dispatch.backends import backend_names
+
+    out: List[KernelChoice] = []
+    for name in config.candidates:
+        if name == "auto":
+            for backend_name in backend_names():
+                if backend_name in ("bf16", "emulated"):
+                    continue
+                backend = get_backend(backend_name)
+                if backend.availability(device).ok:
+                    out.extend(KernelChoice(backend_name, r) for r in backend.recipes)
+            continue
+        choice = KernelChoice.parse(name, field="dispatch.candidates")
+        _require(choice, config, device, field="dispatch.candidates")
+        if get_backend(choice.backend).availability(device).ok:
+            out.append(choice)
+    return sorted(set(out))
+
+
+def _require(choice: KernelChoice, config: DispatchConfig, device: torch.device, *, field: str) -> bool:
+    """Check that ``choice`` can run on ``device``; raise or warn per ``config.fallback``."""
+    backend = get_backend(choice.backend)  # ValueError naming the unknown backend
+    if choice.recipe not in backend.recipes:
+        raise ValueError(f"{field}: backend {choice.backend!r} has no recipe {choice.recipe!r}; it has {', '.join(backend.recipes)}")
+    available = backend.availability(device)
+    if available.ok:
+        return True
+    message = f"{field}: backend {choice.backend!r} is unavailable on {device}: {available.reason}"
+    if config.fallback == "error":
+        raise BackendUnavailableError(message + " (set dispatch.fallback=bf16 to run such GEMMs in bf16 instead)")
+    logger.warning("%s; falling back to bf16 (dispatch.fallback=bf16)", message)
+    return False
+
+
+class Dispatcher(EvidenceConsumer):
+    """Owns the dispatch plan of a set of ``LokaLinear`` layers.
+
+    Args:
+        layers: canonical FQN -> ``LokaLinear``.
+        config: the dispatch configuration.
+        run_dir: where ``dispatch_plan.json`` and ``dispatch_events.jsonl`` go (rank 0 writes
+            them); ``None`` writes nothing.
+        process_group: ranks that must agree on the plan (default: the default group, if any).
+    """
+
+    def __init__(
+        self,
+        layers: Dict[str, torch.nn.Module],
+        config: DispatchConfig,
+        *,
+        run_dir: Optional[str] = None,
+        process_group=None,
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.process_group = process_group
+        self._layers = dict(layers)
+        self._grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
+        self._fallen_back: Dict[str, str] = {}
+        self.events: List[dict] = []
+        self.plan: DispatchPlan = self._initial_plan()
+        self._apply(self.plan)
+
+    # ------------------------------------------------------------------ EvidenceConsumer
+    def managed_layers(self) -> Dict[str, torch.nn.Module]:
+        return dict(self._layers)
+
+    def candidates(self, layer: str) -> Dict[GemmRole, List[KernelChoice]]:
+        module = self._layers[layer]
+        device = module.weight.device
+        rows = max(int(getattr(module, "last_rows", 0) or 0), 1)
+        out: Dict[GemmRole, List[KernelChoice]] = {}
+        for role in GemmRole:
+            shape = GemmShape.for_role(role, rows, module.in_features, module.out_features)
+            runnable = []
+            for choice in resolve_candidates(self.config, device):
+                reason = get_backend(choice.backend).check(recipe_for(choice.recipe, role, grad_format=self._grad_format), shape, device)
+                # An alignment miss is fine: LokaLinear pads K/N with zeros where the backend allows it.
+                if reason is None or "multiples of" in reason:
+                    runnable.append(choice)
+            out[role] = runnable
+        return out
+
+    def replan(self, evidence: List[CandidateEvidence], *, source: str, step: int) -> None:
+        """Decide from ``evidence`` on rank 0, broadcast, apply on every rank, verify identity."""
+        if self.config.mode != "policy":
+            logger.info("dispatch: mode %s is static; ignoring %d evidence records from %s", self.config.mode, len(evidence), source)
+            return
+        plan = None
+        if self._rank() == 0:
+            plan = decide(
+                evidence,
+                self._layer_sizes(),
+                max_mere=self.config.max_mere,
+                min_speedup=self.config.min_speedup,
+                source=f"policy/{source}",
+                mode=self.config.mode,
+                step=step,
+                device=self._device_name(),
+            )
+        plan = self._broadcast(plan)
+        self.plan = plan
+        self._apply(plan)
+        self._verify_identical()
+        self._record({"event": "replan", "step": step, "source": source, "digest": plan.digest(), "summary": plan.summary()})
+        self._save_plan()
+        if self._rank() == 0:
+            logger.info("dispatch plan at step %d (evidence: %s):\n%s", step, source, plan.table())
+
+    def fallback(self, layer: str, reason: str, *, step: int) -> None:
+        if layer not in self._layers:
+            raise ValueError(f"dispatch.fallback: unknown layer {layer!r}")
+        self._fallen_back[layer] = reason
+        self._layers[layer].set_kernels(LayerKernels())
+        self._record({"event": "fallback", "step": step, "layer": layer, "reason": reason})
+        logger.warning("dispatch: layer %s falls back to bf16 at step %d: %s", layer, step, reason)
+
+    def readmit(self, layer: str, *, step: int) -> None:
+        if self._fallen_back.pop(layer, None) is None:
+            return
+        if layer in self.plan.layers:
+            self._layers[layer].set_kernels(self.plan.layers[layer].kernels)
+        self._record({"event": "readmit", "step": step, "layer": layer})
+        logger.info("dispatch: layer %s readmitted to its planned kernels at step %d", layer, step)
+
+    # ------------------------------------------------------------------ training-loop hook
+    def on_step_end(self, step: int) -> None:
+        """Call after each training step (``step`` counts from 1): plans from random evidence when due."""
+        if self.config.mode == "policy" and self.config.evidence == "random" and step == self.config.plan_at_step:
+            evidence = self.measure_random(seed=step)
+            self.replan(evidence, source="random", step=step)
+
+    def measure_random(self, *, seed: int = 0) -> List[CandidateEvidence]:
+        """Random-input evidence for every layer at the row counts seen so far (rank 0 only does the work)."""
+        if self._rank() != 0:
+            return []
+        rows = {name: int(getattr(m, "last_rows", 0) or 0) for name, m in self._layers.items()}
+        candidates = {name: self.candidates(name) for name in self._layers}
+        return measure_random_evidence(
+            self._layers,
+            rows,
+            candidates,
+            samples=self.config.samples,
+            reps=self.config.timing_reps,
+            grad_format=self._grad_format,
+            seed=seed,
+        )
+
+    @property
+    def fallen_back(self) -> Dict[str, str]:
+        """Layers currently held in bf16 by the safety valve, with the reason."""
+        return dict(self._fallen_back)
+
+    # ------------------------------------------------------------------ internals
+    def _initial_plan(self) -> DispatchPlan:
+        cfg = self.config
+        sizes = self._layer_sizes()
+        device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
+        if cfg.mode == "pinned":
+            plan = DispatchPlan.load(cfg.plan_path)
+            missing = sorted(set(sizes) - set(plan.layers))
+            extra = sorted(set(plan.layers) - set(sizes))
+            if missing or extra:
+                raise ValueError(
+                    f"dispatch.plan_path: plan {cfg.plan_path!r} does not match the model: "
+                    f"layers missing from the plan {missing[:5]}, plan layers not in the model {extra[:5]}"
+                )
+            for name, layer_plan in plan.layers.items():
+                for role, decision in layer_plan.roles.items():
+                    if not decision.choice.is_high_precision:
+                        _require(decision.choice, cfg, device, field=f"dispatch.plan_path ({name} {role.value})")
+            return plan
+        static = cfg.static_choice
+        if static is not None and not static.is_high_precision:
+            if not _require(static, cfg, device, field="dispatch.mode"):
+                static = BF16
+        choice, reason = (static, f"static mode {cfg.mode}") if static is not None else (BF16, "not planned yet: bf16 until evidence arrives")
+        layers = {}
+        for name, (rows, fan_in, fan_out) in sizes.items():
+            roles = {}
+            for role in GemmRole:
+                chosen = choice
+                why = reason
+                if not choice.is_high_precision:
+                    module = self._layers[name]
+                    shape = GemmShape.for_role(role, 1, fan_in, fan_out)
+                    problem = get_backend(choice.backend).check(recipe_for(choice.recipe, role, grad_format=self._grad_format), shape, module.weight.device)
+                    if problem and "multiples of" not in problem:
+                        chosen, why = BF16, f"{choice} cannot run here: {problem}"
+                roles[role] = RoleDecision(chosen, why, "static")
+            layers[name] = LayerPlan(name, fan_in, fan_out, rows, roles)
+        return DispatchPlan(layers, cfg.mode, 0, self._device_name())
+
+    def _apply(self, plan: DispatchPlan) -> None:
+        for name, module in self._layers.items():
+            kernels = plan.layers[name].kernels if name in plan.layers else LayerKernels()
+            if name in self._fallen_back:
+                kernels = LayerKernels()
+            module.set_kernels(kernels)
+
+    def _layer_sizes(self) -> Dict[str, tuple]:
+        return {
+            name: (int(getattr(m, "last_rows", 0) or 0), m.in_features, m.out_features) for name, m in self._layers.items()
+        }
+
+    def _device_name(self) -> str:
+        device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if self._distributed() else 0
+
+    def _broadcast(self, plan: Optional[DispatchPlan]) -> DispatchPlan:
+        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
+            return plan
+        payload = [plan.to_dict() if plan is not None else None]
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        dist.broadcast_object_list(payload, src=src, group=self.process_group)
+        return DispatchPlan.from_dict(payload[0])
+
+    def running_digest(self) -> str:
+        """Digest of the kernels this rank's layers actually run now."""
+        running = DispatchPlan(
+            {
+                name: LayerPlan(name, m.in_features, m.out_features, 0, {
+                    role: RoleDecision(m.kernels.for_role(role), "", "") for role in GemmRole
+                })
+                for name, m in self._layers.items()
+            },
+            mode="running",
+        )
+        return running.digest()
+
+    def _verify_identical(self) -> None:
+        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
+            return
+        mine = self.running_digest()
+        gathered: List[Optional[str]] = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(gathered, mine, group=self.process_group)
+        if len(set(gathered)) != 1:
+            detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(gathered))
+            raise PlanMismatchError(f"ranks run different dispatch plans ({detail})")
+
+    def _record(self, event: dict) -> None:
+        self.events.append(event)
+        if self.run_dir and self._rank() == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
+                f.write(json.dumps(event) + "\n")
+                f.flush()
+
+    def _save_plan(self) -> None:
+        if self.run_dir and self._rank() == 0:
+            self.plan.save(os.path.join(self.run_dir, PLAN_FILE))
+
+    def start(self) -> None:
+        """Verify identity across ranks and write the initial plan (call once, after process groups exist)."""
+        self._verify_identical()
+        self._save_plan()

@@ -1,0 +1,113 @@
+"""Measuring GEMM candidates: one role's work, its error against float64, its time.
+
+Shared by the random-input evidence provider here and by the Probe (which supplies inputs drawn
+from learned distributions instead of random ones).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, List, Sequence
+
+import torch
+
+from loka_torchrec.dispatch.backends import get_backend
+from loka_torchrec.dispatch.recipes import recipe_for
+from loka_torchrec.evidence import GemmRole, Interval, KernelChoice
+from loka_torchrec.fp8 import Fp8Format, mere
+
+__all__ = ["run_role_gemm", "mean_interval", "time_ms", "role_operands", "t_quantile_975"]
+
+# Two-sided 95% Student-t quantiles t_{0.975, df} for df = 1..30 (standard tables).
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)
+
+
+def t_quantile_975(df: int) -> float:
+    """``t_{0.975, df}``; the normal 1.96 beyond 30 degrees of freedom (error < 2%)."""
+    if df < 1:
+        return math.inf
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def mean_interval(values: Sequence[float]) -> Interval:
+    """Mean with a Student-t 95% confidence interval (method ``"t95"``)."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_interval: no values")
+    mean = statistics.fmean(values)
+    if n == 1:
+        return Interval(mean, mean, mean, 1, "none")
+    half = t_quantile_975(n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n, "t95")
+
+
+def role_operands(role: GemmRole, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor):
+    """The ``(A, B)`` operands of ``role`` for a linear layer (see :mod:`loka_torchrec.evidence`).
+
+    Args:
+        x: ``(rows, in_features)`` layer input.
+        weight: ``(out_features, in_features)``.
+        grad_out: ``(rows, out_features)`` gradient of the layer output.
+    """
+    role = GemmRole(role)
+    if role == GemmRole.FORWARD:
+        return x, weight
+    if role == GemmRole.GRAD_INPUT:
+        return grad_out, weight.t()
+    return grad_out.t(), x.t()
+
+
+def run_role_gemm(
+    choice: KernelChoice, role: GemmRole, a: torch.Tensor, b: torch.Tensor, *, grad_format: Fp8Format, out_dtype=torch.float32
+) -> torch.Tensor:
+    """``A @ B^T`` through ``choice``, quantization included."""
+    backend = get_backend(choice.backend)
+    if choice.is_high_precision:
+        return backend.gemm(a, b, None, out_dtype)
+    return backend.gemm(a, b, recipe_for(choice.recipe, role, grad_format=grad_format), out_dtype)
+
+
+def error_samples(
+    choice: KernelChoice, role: GemmRole, pairs: Sequence, *, grad_format: Fp8Format
+) -> List[float]:
+    """MERE of ``choice`` against a float64 reference for each ``(A, B)`` pair."""
+    out = []
+    for a, b in pairs:
+        ref = a.double() @ b.double().t()
+        got = run_role_gemm(choice, role, a, b, grad_format=grad_format)
+        out.append(mere(got, ref))
+    return out
+
+
+def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup: int = 1) -> Interval:
+    """Median and inter-quartile range of ``fn``'s run time in milliseconds (method ``"iqr"``).
+
+    CUDA: CUDA events around each call after ``warmup`` calls. CPU: ``time.perf_counter``.
+    """
+    for _ in range(warmup):
+        fn()
+    times: List[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return Interval(statistics.median(times), min(q[0], statistics.median(times)), max(q[2], statistics.median(times)), len(times), "iqr")

@@ -1,0 +1,236 @@
+"""The dispatch plan: which kernel each GEMM of each layer runs, and why.
+
+A plan is plain data. It is saved as JSON in the run dir (atomically), printed as a table at the
+start of training, loaded back for ``mode="pinned"`` (resume, inference), and compared across ranks
+by :meth:`DispatchPlan.digest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tempfile
+from typing import Any, Dict, Optional
+
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, KernelChoice
+
+__all__ = ["RoleDecision", "LayerPlan", "DispatchPlan", "PLAN_FORMAT_VERSION"]
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleDecision:
+    """The kernel chosen for one GEMM role of one layer.
+
+    Attributes:
+        choice: the kernel.
+        reason: one line a user can read, e.g. ``"fastest accurate: MERE 0.031 <= 0.2, 1.31x"``.
+        source: who decided: ``"policy/random"``, ``"policy/probe"``, ``"static"``, ``"pinned"``,
+            ``"safety-valve"``.
+        evidence: the chosen candidate's evidence (``None`` for static decisions and bf16).
+        considered: every candidate's evidence that the decision looked at.
+    """
+
+    choice: KernelChoice
+    reason: str
+    source: str
+    evidence: Optional[CandidateEvidence] = None
+    considered: tuple = ()
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "choice": str(self.choice),
+            "reason": self.reason,
+            "source": self.source,
+            "evidence": self.evidence.to_dict() if self.evidence else None,
+            "considered": [e.to_dict() for e in self.considered],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "RoleDecision":
+        return cls(
+            choice=KernelChoice.parse(d["choice"]),
+            reason=d.get("reason", ""),
+            source=d.get("source", "pinned"),
+            evidence=CandidateEvidence.from_dict(d["evidence"]) if d.get("evidence") else None,
+            considered=tuple(CandidateEvidence.from_dict(e) for e in d.get("considered", ())),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Decisions for the three GEMMs of one linear layer.
+
+    Attributes:
+        layer: canonical FQN.
+        in_features, out_features: the layer's size.
+        rows: rows per step the layer saw when the plan was made (0 if unknown).
+        roles: one :class:`RoleDecision` per :class:`GemmRole`.
+    """
+
+    layer: str
+    in_features: int
+    out_features: int
+    rows: int
+    roles: Dict[GemmRole, RoleDecision]
+
+    @property
+    def kernels(self) -> LayerKernels:
+        get = lambda role: self.roles[role].choice if role in self.roles else BF16  # noqa: E731
+        return LayerKernels(get(GemmRole.FORWARD), get(GemmRole.GRAD_INPUT), get(GemmRole.GRAD_WEIGHT))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "rows": self.rows,
+            "roles": {role.value: decision.to_dict() for role, decision in self.roles.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, layer: str, d: Dict[str, Any]) -> "LayerPlan":
+        return cls(
+            layer=layer,
+            in_features=int(d["in_features"]),
+            out_features=int(d["out_features"]),
+            rows=int(d.get("rows", 0)),
+            roles={GemmRole(r): RoleDecision.from_dict(v) for r, v in d["roles"].items()},
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+    """Every managed layer's :class:`LayerPlan`.
+
+    Attributes:
+        layers: canonical FQN -> plan.
+        mode: the dispatch mode that produced it.
+        step: the training step at which it was made.
+        device: the device its evidence was measured on.
+        gates: the policy's gates (``max_mere``, ``min_speedup``) when it was made.
+    """
+
+    layers: Dict[str, LayerPlan]
+    mode: str
+    step: int = 0
+    device: str = ""
+    gates: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+    # ------------------------------------------------------------------ views
+    def kernels(self) -> Dict[str, LayerKernels]:
+        return {name: plan.kernels for name, plan in self.layers.items()}
+
+    def digest(self) -> str:
+        """SHA-256 of the choices alone (layer, role, kernel): equal digests = identical behaviour."""
+        canonical = json.dumps(
+            {name: self.layers[name].kernels.to_dict() for name in sorted(self.layers)}, sort_keys=True
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def counts(self) -> Dict[str, int]:
+        """How many GEMMs run on each kernel, e.g. ``{"bf16:hp": 4, "scaled_mm:rowwise": 8}``."""
+        out: Dict[str, int] = {}
+        for plan in self.layers.values():
+            for decision in plan.roles.values():
+                out[str(decision.choice)] = out.get(str(decision.choice), 0) + 1
+        return dict(sorted(out.items()))
+
+    def fp8_gemm_count(self) -> int:
+        return sum(n for k, n in self.counts().items() if not k.startswith("bf16:"))
+
+    def summary(self) -> str:
+        total = sum(self.counts().values())
+        parts = ", ".join(f"{k} x{n}" for k, n in self.counts().items())
+        return f"{self.fp8_gemm_count()}/{total} GEMMs in FP8 ({parts})"
+
+    def table(self) -> str:
+        """A plain-text table: layer, shape, and per role the kernel, MERE, speedup and reason."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"LoKA dispatch plan ({self.mode}, step {self.step}, {self.device or 'device ?'})")
+        for col in ("layer", "rows x in -> out", "role", "kernel", "MERE (hi)", "speedup (lo)", "reason"):
+            table.add_column(col, overflow="fold")
+        for name in sorted(self.layers):
+            plan = self.layers[name]
+            first = True
+            for role in GemmRole:
+                if role not in plan.roles:
+                    continue
+                d = plan.roles[role]
+                ev = d.evidence
+                table.add_row(
+                    name if first else "",
+                    f"{plan.rows} x {plan.in_features} -> {plan.out_features}" if first else "",
+                    role.value,
+                    str(d.choice),
+                    f"{ev.error.value:.4f} ({ev.error.high:.4f})" if ev else "-",
+                    f"{ev.speedup:.2f}x ({ev.speedup_low:.2f}x)" if ev else "-",
+                    d.reason,
+                )
+                first = False
+        buffer = io.StringIO()
+        Console(file=buffer, width=200, force_terminal=False, color_system=None).print(table)
+        return buffer.getvalue() + self.summary() + "\n"
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "mode": self.mode,
+            "step": self.step,
+            "device": self.device,
+            "gates": dict(self.gates),
+            "digest": self.digest(),
+            "layers": {name: self.layers[name].to_dict() for name in sorted(self.layers)},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DispatchPlan":
+        if not isinstance(d, dict) or "layers" not in d:
+            raise ValueError("dispatch plan: expected a JSON object with a 'layers' field")
+        version = d.get("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"dispatch plan: format_version {version} is not supported (expected {PLAN_FORMAT_VERSION})")
+        plan = cls(
+            layers={name: LayerPlan.from_dict(name, v) for name, v in d["layers"].items()},
+            mode=d.get("mode", "pinned"),
+            step=int(d.get("step", 0)),
+            device=d.get("device", ""),
+            gates=dict(d.get("gates", {})),
+        )
+        if "digest" in d and d["digest"] != plan.digest():
+            raise ValueError("dispatch plan: its 'digest' does not match its layers (edited or corrupted file?)")
+        return plan
+
+    def save(self, path: str) -> None:
+        """Write the plan as JSON atomically (temp file in the same folder, then rename)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str) -> "DispatchPlan":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"dispatch.plan_path: no plan file at {path!r}")
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"dispatch.plan_path: {path!r} is not valid JSON ({exc})") from None
+        return cls.from_dict(data)

@@ -1,0 +1,82 @@
+"""The selection rule: per GEMM, the fastest candidate that is accurate enough, else bf16.
+
+For each layer and role, a candidate is *admissible* when
+
+* its MERE upper confidence bound is below ``max_mere`` (accuracy gate), and
+* its speedup lower bound over bf16 (baseline lower bound / candidate upper bound) is at least
+  ``min_speedup`` (speed gate; 1.05 by default, so noise alone never buys FP8).
+
+The admissible candidate with the highest point speedup wins; with none, the GEMM stays in bf16
+and the reason names the best rejected candidate and the gate it failed. Forward, grad-input and
+grad-weight are decided independently.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
+from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole
+
+__all__ = ["decide", "decide_role"]
+
+
+def decide_role(
+    evidence: List[CandidateEvidence], *, max_mere: float, min_speedup: float, source: str
+) -> RoleDecision:
+    """Pick the kernel for one GEMM from its candidates' evidence."""
+    fp8 = [e for e in evidence if not e.candidate.is_high_precision]
+    admissible = [e for e in fp8 if e.error.high < max_mere and e.speedup_low >= min_speedup]
+    if admissible:
+        best = max(admissible, key=lambda e: (e.speedup, -e.error.value))
+        reason = (
+            f"fastest accurate of {len(fp8)}: MERE {best.error.value:.4f} (hi {best.error.high:.4f} < {max_mere}), "
+            f"{best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= {min_speedup})"
+        )
+        return RoleDecision(best.candidate, reason, source, best, tuple(evidence))
+    if not fp8:
+        return RoleDecision(BF16, "no FP8 candidate could run here", source, None, tuple(evidence))
+    accurate = [e for e in fp8 if e.error.high < max_mere]
+    if accurate:
+        best = max(accurate, key=lambda e: e.speedup)
+        reason = f"none fast enough: best {best.candidate} {best.speedup:.2f}x (lo {best.speedup_low:.2f}x < {min_speedup})"
+    else:
+        best = min(fp8, key=lambda e: e.error.high)
+        reason = f"none accurate enough: best {best.candidate} MERE hi {best.error.high:.4f} >= {max_mere}"
+    return RoleDecision(BF16, reason, source, None, tuple(evidence))
+
+
+def decide(
+    evidence: Iterable[CandidateEvidence],
+    layers: Dict[str, Tuple[int, int, int]],
+    *,
+    max_mere: float,
+    min_speedup: float,
+    source: str,
+    mode: str = "policy",
+    step: int = 0,
+    device: str = "",
+) -> DispatchPlan:
+    """Make a :class:`DispatchPlan` from evidence.
+
+    Args:
+        evidence: candidate evidence for any subset of layers and roles.
+        layers: canonical FQN -> ``(rows, in_features, out_features)`` of every managed layer;
+            a layer or role without evidence stays in bf16 with the reason "no evidence".
+        max_mere, min_speedup: the gates (see the module docstring).
+        source: recorded in each decision, e.g. ``"policy/probe"``.
+    """
+    by_key: Dict[Tuple[str, GemmRole], List[CandidateEvidence]] = {}
+    for e in evidence:
+        by_key.setdefault((e.layer, e.role), []).append(e)
+    plans: Dict[str, LayerPlan] = {}
+    for name, (rows, in_features, out_features) in layers.items():
+        roles = {}
+        for role in GemmRole:
+            found = by_key.get((name, role))
+            if found:
+                roles[role] = decide_role(found, max_mere=max_mere, min_speedup=min_speedup, source=source)
+            else:
+                roles[role] = RoleDecision(BF16, "no evidence", source)
+        plans[name] = LayerPlan(name, in_features, out_features, rows, roles)
+    return DispatchPlan(plans, mode, step, device, {"max_mere": max_mere, "min_speedup": min_speedup})

@@ -1,0 +1,114 @@
+"""Model builders by name: ``dlrm`` and ``dcn`` (TorchRec's own), ``dhen`` and ``hstu``.
+
+Every model maps ``(dense_features (B, num_dense), sparse_features KeyedJaggedTensor)`` to click
+logits of shape ``(B,)``. Builders take the model's section of the recipe (a plain dict), the
+:class:`~loka_torchrec.training.data_spec.DataSpec` and the dense device; embedding tables are
+built on ``meta`` and materialized by ``DistributedModelParallel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+from torch import nn
+
+from loka_torchrec.training.data_spec import DataSpec
+
+__all__ = ["MODEL_NAMES", "build_model", "register_model"]
+
+_BUILDERS: Dict[str, Callable[[Dict[str, Any], DataSpec, torch.device], nn.Module]] = {}
+
+
+def register_model(name: str):
+    """Decorator: register a builder ``fn(options: dict, spec: DataSpec, device) -> nn.Module``."""
+
+    def wrap(fn):
+        if name in _BUILDERS:
+            raise ValueError(f"a model named {name!r} is already registered")
+        _BUILDERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def build_model(name: str, options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """Build the model ``name``; an unknown name raises a ``ValueError`` listing the known ones."""
+    if name not in _BUILDERS:
+        raise ValueError(f"model.name: unknown model {name!r}; expected one of {', '.join(sorted(_BUILDERS))}")
+    return _BUILDERS[name](dict(options), spec, device)
+
+
+def MODEL_NAMES() -> List[str]:  # noqa: N802  (reads like a constant at call sites)
+    return sorted(_BUILDERS)
+
+
+def _pooled_ebc(spec: DataSpec):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = spec.pooled_tables
+    if not tables:
+        raise ValueError("data: this model needs pooled (non-sequence) sparse features")
+    dims = {t.embedding_dim for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"data.embedding_dim: DLRM-style models need one embedding dim for all tables, got {sorted(dims)}")
+    configs = [
+        EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings, feature_names=[t.feature])
+        for t in tables
+    ]
+    return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+
+class _SqueezeLogits(nn.Module):
+    """TorchRec's DLRM returns ``(B, 1)``; the project's models return ``(B,)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
+        return self.model(dense_features, sparse_features).squeeze(-1)
+
+
+def _check_over_arch(options: Dict[str, Any]) -> List[int]:
+    over = list(options.get("over_arch_layer_sizes", []))
+    if len(over) < 2 or over[-1] != 1:
+        raise ValueError(f"model.over_arch_layer_sizes: need at least two layers ending in 1, got {over}")
+    return over
+
+
+@register_model("dlrm")
+def build_dlrm(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """TorchRec's ``DLRM``: ``dense_arch_layer_sizes`` (last = embedding dim), ``over_arch_layer_sizes``."""
+    from torchrec.models.dlrm import DLRM
+
+    ebc = _pooled_ebc(spec)
+    dense = list(options.get("dense_arch_layer_sizes", []))
+    dim = spec.pooled_tables[0].embedding_dim
+    if not dense or dense[-1] != dim:
+        raise ValueError(f"model.dense_arch_layer_sizes: the last size must equal the embedding dim {dim}, got {dense}")
+    return _SqueezeLogits(DLRM(ebc, spec.num_dense, dense, _check_over_arch(options), dense_device=device))
+
+
+@register_model("dcn")
+def build_dcn(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """TorchRec's ``DLRM_DCN`` (a low-rank DCN v2 interaction): adds ``dcn_num_layers``, ``dcn_low_rank_dim``."""
+    from torchrec.models.dlrm import DLRM_DCN
+
+    ebc = _pooled_ebc(spec)
+    dense = list(options.get("dense_arch_layer_sizes", []))
+    dim = spec.pooled_tables[0].embedding_dim
+    if not dense or dense[-1] != dim:
+        raise ValueError(f"model.dense_arch_layer_sizes: the last size must equal the embedding dim {dim}, got {dense}")
+    return _SqueezeLogits(
+        DLRM_DCN(
+            ebc,
+            spec.num_dense,
+            dense,
+            _check_over_arch(options),
+            dcn_num_layers=int(options.get("dcn_num_layers", 2)),
+            dcn_low_rank_dim=int(options.get("dcn_low_rank_dim", 16)),
+            dense_device=device,
+        )
+    )

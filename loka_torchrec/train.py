@@ -1,0 +1,139 @@
+"""``python -m loka_torchrec.train``: the Hydra + torchrun training job.
+
+Examples::
+
+    # 2 CPU ranks, synthetic data, the default recipe (TorchRec DLRM, LoKA on)
+    torchrun --nproc_per_node=2 -m loka_torchrec.train
+    # 8 GPUs, a large DHEN-style model
+    torchrun --nproc_per_node=8 -m loka_torchrec.train model=dhen_large device=cuda
+    # the same job without LoKA
+    torchrun --nproc_per_node=2 -m loka_torchrec.train loka.enabled=false
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Dict
+
+__all__ = ["main", "run"]
+
+logger = logging.getLogger("loka_torchrec.train")
+
+
+def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
+    """Train with a resolved recipe (a plain dict) and return the summary (rank 0's is printed)."""
+    import torch
+    import torch.distributed as dist
+
+    from loka_torchrec.config import LokaConfig
+    from loka_torchrec.models import build_model
+    from loka_torchrec.training.data import make_data
+    from loka_torchrec.training.distributed import init_distributed
+    from loka_torchrec.training.trainer import TrainConfig, Trainer
+
+    # Validate everything the user typed before any process-group work.
+    model_cfg = dict(cfg.get("model") or {})
+    model_name = model_cfg.pop("name", None)
+    train_cfg = TrainConfig(**dict(cfg.get("train") or {}))
+    loka_cfg = LokaConfig.from_dict(cfg.get("loka") or {})
+    data_cfg = dict(cfg.get("data") or {})
+
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's deprecation notices
+    ctx = init_distributed(str(cfg.get("device", "auto")))
+    try:
+        run_dir = _shared_run_dir(run_dir)
+        _setup_logging(run_dir, ctx.rank)
+        seed = int(cfg.get("seed", 0))
+        torch.manual_seed(seed)
+        data = make_data(data_cfg, rank=ctx.rank, world_size=ctx.world_size, seed=seed)
+        model = build_model(model_name, model_cfg, data.spec, ctx.device)
+        trainer = Trainer(
+            ctx,
+            model,
+            train_data=data.train,
+            eval_data=data.eval,
+            train_config=train_cfg,
+            loka_config=loka_cfg,
+            run_dir=run_dir,
+            batch_size=data.batch_size,
+        )
+        summary = trainer.fit()
+        summary["teacher_eval_ne"] = data.teacher_ne
+        if ctx.is_main:
+            print(format_summary(summary), flush=True)
+        return summary
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    def f(v, spec=".4f"):
+        return format(v, spec) if isinstance(v, (int, float)) and v is not None else "n/a"
+
+    lines = [
+        "",
+        "==== loka-torchrec run summary ====",
+        f"steps            {s['steps']} ({s['steps_this_run']} this run, {s['world_size']} rank(s) on {s['device']})",
+        f"step time        {f(s['median_step_ms'], '.1f')} ms median    QPS {f(s['qps'], '.0f')} samples/s",
+        f"train NE / AUC   {f(s['train_ne'])} / {f(s['train_auc'])}   (last logging window)",
+        f"eval  NE / AUC   {f(s['eval_ne'])} / {f(s['eval_auc'])}   (teacher's own NE: {f(s.get('teacher_eval_ne'))})",
+    ]
+    loka = s.get("loka")
+    if loka:
+        lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
+        lines.append(f"dispatch plan    {loka['plan_file']}")
+        if loka.get("fallen_back"):
+            lines.append(f"safety valve     in bf16 now: {sorted(loka['fallen_back'])}")
+    else:
+        lines.append("LoKA             off (loka.enabled=false)")
+    lines.append(f"logs             {s['run_dir']} (summary.json, rank*/metrics.jsonl, rank*/train.log)")
+    return "\n".join(lines)
+
+
+def _shared_run_dir(run_dir: str) -> str:
+    """Every rank uses rank 0's run dir (Hydra may time-stamp each rank's a second apart)."""
+    import torch.distributed as dist
+
+    holder = [os.path.abspath(run_dir)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(holder, src=0)
+    os.makedirs(holder[0], exist_ok=True)
+    return holder[0]
+
+
+def _setup_logging(run_dir: str, rank: int) -> None:
+    rank_dir = os.path.join(run_dir, f"rank{rank}")
+    os.makedirs(rank_dir, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(rank_dir, "train.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("loka_torchrec")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    root.propagate = False
+    if rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        root.addHandler(console)
+
+
+def main() -> None:
+    """Hydra entry point (config dir: the installed ``recipes/``)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    @hydra.main(config_path="pkg://loka_torchrec.recipes", config_name="config", version_base=None)
+    def _app(cfg) -> None:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        run(resolved, HydraConfig.get().runtime.output_dir)
+
+    _app()
+
+
+if __name__ == "__main__":
+    main()

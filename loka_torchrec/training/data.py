@@ -1,0 +1,55 @@
+"""The recipe's ``data:`` section -> datasets for this rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Iterator, Optional
+
+from loka_torchrec.config import from_mapping
+from loka_torchrec.training.data_spec import DataSpec
+
+__all__ = ["RankData", "make_data"]
+
+
+@dataclasses.dataclass
+class RankData:
+    """This rank's view of the data.
+
+    Attributes:
+        spec: what the batches hold (for the model builder).
+        train: ``start_batch -> iterator`` over this rank's train batches from ``start_batch`` on.
+        eval: ``start_batch -> iterator`` over this rank's share of the held-out split.
+        batch_size: per-rank batch size.
+        teacher_ne: the best NE any model can reach on the eval split (``None`` if unknown).
+    """
+
+    spec: DataSpec
+    train: Callable[[int], Iterator]
+    eval: Callable[[int], Iterator]
+    batch_size: int
+    teacher_ne: Optional[float]
+
+
+def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int) -> RankData:
+    """Build the datasets of the ``data:`` section; ``kind`` is ``"pooled"`` or ``"sequence"``."""
+    options = dict(options)
+    kind = options.pop("kind", "pooled")
+    options.setdefault("seed", seed)
+    if kind == "pooled":
+        from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
+
+        config = from_mapping(SyntheticConfig, options, field="data")
+        train = SyntheticRecDataset(config, rank=rank, world_size=world_size, split="train")
+        evaluation = SyntheticRecDataset(config, rank=rank, world_size=world_size, split="eval")
+        return RankData(
+            spec=make_data_spec(config),
+            train=lambda start: train.batches(start),
+            eval=lambda start: evaluation.batches(start),
+            batch_size=config.batch_size,
+            teacher_ne=teacher_ne(config, max_batches=4),
+        )
+    if kind == "sequence":
+        from loka_torchrec.training import synthetic_sequences as seq
+
+        return seq.make_rank_data(options, rank=rank, world_size=world_size)
+    raise ValueError(f"data.kind: expected 'pooled' or 'sequence', got {kind!r}")

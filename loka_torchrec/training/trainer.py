@@ -1,0 +1,313 @@
+"""The reference training job: TorchRec DMP + TrainPipelineSparseDist, with LoKA by one flag.
+
+``Trainer.__init__`` reads as the list of set-up steps; ``Trainer.fit`` as the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loka_torchrec.config import LokaConfig
+from loka_torchrec.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from loka_torchrec.training.distributed import DistContext
+
+__all__ = ["TrainConfig", "Trainer", "ClickTrainModule"]
+
+logger = logging.getLogger("loka_torchrec.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings (``train.*`` in the recipes)."""
+
+    steps: int = 200
+    lr: float = 0.05
+    embedding_lr: float = 0.05
+    log_every: int = 10
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    resume: Optional[str] = None
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0 or self.embedding_lr <= 0:
+            raise ValueError(f"train.lr / train.embedding_lr: must be > 0, got {self.lr} / {self.embedding_lr}")
+        if self.resume is not None and not os.path.exists(self.resume):
+            raise ValueError(f"train.resume: {self.resume!r} does not exist")
+
+
+class ClickTrainModule(nn.Module):
+    """``batch -> (loss, (loss, logits, labels))``: the contract of TorchRec's train pipelines."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch):
+        logits = self.model(batch.dense_features, batch.sparse_features)
+        loss = self.loss_fn(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
+
+
+class Trainer:
+    """Build everything for one run (see the module docstring).
+
+    Args:
+        ctx: the process group context.
+        model: the unsharded model (embedding tables on ``meta``).
+        train_data, eval_data: callables ``(start_batch) -> iterator of Batch``.
+        train_config: loop settings.
+        loka_config: LoKA settings; ``enabled=False`` trains the plain model.
+        run_dir: the run's output folder (same on every rank).
+        batch_size: per-rank batch size (for QPS and the planner).
+    """
+
+    def __init__(
+        self,
+        ctx: DistContext,
+        model: nn.Module,
+        *,
+        train_data,
+        eval_data,
+        train_config: TrainConfig,
+        loka_config: LokaConfig,
+        run_dir: str,
+        batch_size: int,
+    ) -> None:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from loka_torchrec.training.metrics import BinaryClassificationMetrics
+        from loka_torchrec.training.sharding import default_sharders, shard_model
+
+        self.ctx, self.cfg, self.loka_cfg, self.run_dir = ctx, train_config, loka_config, run_dir
+        self.batch_size = batch_size
+        self.train_data, self.eval_data = train_data, eval_data
+        self.rank_dir = os.path.join(run_dir, f"rank{ctx.rank}")
+        os.makedirs(self.rank_dir, exist_ok=True)
+        # 1. LoKA converts the unsharded model (mods, LokaLinear, dispatcher) before DMP wraps it.
+        self.loka = None
+        if loka_config.enabled:
+            import loka_torchrec
+
+            self.loka = loka_torchrec.apply(model, loka_config, run_dir=run_dir)
+            if ctx.is_main:
+                logger.info("%s", self.loka)
+        # 2. Sharders: FP8 embedding comms come with LoKA's comms registry when configured.
+        sharders = self._sharders(default_sharders)
+        # 3. Shard with TorchRec's planner and DMP; fused row-wise Adagrad for embeddings.
+        self.module = ClickTrainModule(model)
+        self.model, self.sharding_plan = shard_model(
+            self.module,
+            device=ctx.device,
+            world_size=ctx.world_size,
+            local_world_size=ctx.local_world_size,
+            batch_size=batch_size,
+            embedding_lr=train_config.embedding_lr,
+            sharders=sharders,
+        )
+        # 4. Dense optimizer + the fused embedding optimizer behind one interface.
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(self.model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=train_config.lr),
+        )
+        self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
+        # 5. The pipeline overlaps input distribution with compute.
+        self.pipeline = TrainPipelineSparseDist(self.model, self.optimizer, ctx.device, execute_all_batches=True)
+        # 6. Probe: statistics hooks and evidence for Dispatch (LoKA only).
+        self.probe = self._probe(model)
+        if self.loka is not None:
+            self.loka.dispatcher.start()
+        # 7. Metrics, and the state resumed from a checkpoint.
+        self.train_metrics = BinaryClassificationMetrics(ctx.device)
+        self.eval_metrics = BinaryClassificationMetrics(ctx.device)
+        self.start_step = 0
+        self.history: list = []
+        if train_config.resume:
+            self._resume(train_config.resume)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _sharders(self, default_sharders):
+        comms = getattr(self.loka_cfg, "comms", None)
+        if self.loka_cfg.enabled and comms is not None:
+            from loka_torchrec import comms as loka_comms
+
+            return loka_comms.sharders(comms)
+        return default_sharders()
+
+    def _probe(self, model: nn.Module):
+        probe_cfg = getattr(self.loka_cfg, "probe", None)
+        if self.loka is None or probe_cfg is None or not probe_cfg.enabled:
+            return None
+        from loka_torchrec.probe import ProbeCallback
+
+        return ProbeCallback(model, probe_cfg, run_dir=self.run_dir, consumer=self.loka.dispatcher)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> Dict[str, Any]:
+        cfg = self.cfg
+        batches = iter(self.train_data(self.start_step))
+        bar = None
+        if self.ctx.is_main and cfg.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
+        step_times = []
+        step = self.start_step
+        self.model.train()
+        wall0 = time.perf_counter()
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            try:
+                loss, logits, labels = self.pipeline.progress(batches)
+            except StopIteration:
+                break
+            step += 1
+            self.train_metrics.update(logits, labels)
+            if self.loka is not None:
+                self.loka.dispatcher.on_step_end(step)
+            if self.probe is not None:
+                self.probe.on_step_end(step)
+            step_times.append(time.perf_counter() - t0)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
+                record["step_time_ms"] = 1e3 * sorted(step_times[-cfg.log_every:])[len(step_times[-cfg.log_every:]) // 2]
+                self._log(record)
+                self.train_metrics.reset()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record.get('train/ne', float('nan')):.4f}")
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                self.save(step)
+            if bar is not None:
+                bar.update(1)
+        train_seconds = time.perf_counter() - wall0
+        if bar is not None:
+            bar.close()
+        final_eval = self.evaluate()
+        self._log({"step": step, **{f"eval/{k}": v for k, v in final_eval.items()}})
+        if self.probe is not None:
+            self.probe.close()
+        steps_run = step - self.start_step
+        timed = step_times[min(5, len(step_times) // 4):] or step_times  # skip warm-up steps
+        median_step = sorted(timed)[len(timed) // 2] if timed else float("nan")
+        last_train = next((r for r in reversed(self.history) if "train/ne" in r), {})
+        summary = {
+            "steps": step,
+            "steps_this_run": steps_run,
+            "resumed_from": self.start_step,
+            "world_size": self.ctx.world_size,
+            "device": str(self.ctx.device),
+            "median_step_ms": 1e3 * median_step,
+            "qps": self.batch_size * self.ctx.world_size / median_step if timed else float("nan"),
+            "train_seconds": train_seconds,
+            "train_ne": last_train.get("train/ne"),
+            "train_auc": last_train.get("train/auc"),
+            "eval_ne": final_eval.get("ne"),
+            "eval_auc": final_eval.get("auc"),
+            "eval_loss": final_eval.get("loss"),
+            "run_dir": self.run_dir,
+            "loka": self._loka_summary(),
+        }
+        if self.ctx.is_main:
+            _write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        return summary
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        # The pipeline rewrote the sharded modules' forward; give the model its own forward back
+        # for evaluation (in-flight train batches are kept) and re-attach afterwards.
+        self.pipeline.detach()
+        self.model.eval()
+        self.eval_metrics.reset()
+        for batch in self.eval_data(0):
+            batch = batch.to(self.ctx.device)
+            _, (_, logits, labels) = self.model(batch)
+            self.eval_metrics.update(logits, labels)
+        self.model.train()
+        self.pipeline.attach(self.model)
+        return self.eval_metrics.compute()
+
+    # ------------------------------------------------------------------ state
+    def state(self, step: int) -> Dict[str, Any]:
+        state = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "history": self.history,
+        }
+        if self.loka is not None:
+            state["loka"] = {"plan": self.loka.dispatcher.plan.to_dict(), "fallen_back": self.loka.dispatcher.fallen_back}
+        return state
+
+    def save(self, step: int) -> str:
+        folder = save_checkpoint(self.run_dir, step, self.state(step), rank=self.ctx.rank, world_size=self.ctx.world_size)
+        if self.ctx.is_main:
+            logger.info("checkpoint written: %s", folder)
+        return folder
+
+    def _resume(self, path: str) -> None:
+        folder = find_checkpoint(path)
+        state = load_checkpoint(folder, rank=self.ctx.rank, world_size=self.ctx.world_size, map_location=str(self.ctx.device))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.start_step = int(state["step"])
+        self.history = list(state.get("history", []))
+        if self.loka is not None and "loka" in state:
+            from loka_torchrec.dispatch.plan import DispatchPlan
+
+            dispatcher = self.loka.dispatcher
+            dispatcher.plan = DispatchPlan.from_dict(state["loka"]["plan"])
+            for layer, reason in state["loka"].get("fallen_back", {}).items():
+                dispatcher.fallback(layer, f"(resumed) {reason}", step=self.start_step)
+            dispatcher._apply(dispatcher.plan)
+        if self.ctx.is_main:
+            logger.info("resumed from %s at step %d", folder, self.start_step)
+
+    # ------------------------------------------------------------------ logs
+    def _log(self, record: Dict[str, Any]) -> None:
+        self.history.append(record)
+        with open(os.path.join(self.rank_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        logger.info("%s", " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+    def _loka_summary(self) -> Optional[Dict[str, Any]]:
+        if self.loka is None:
+            return None
+        plan = self.loka.dispatcher.plan
+        return {
+            "converted_layers": len(self.loka.converted),
+            "skipped_layers": len(self.loka.skipped),
+            "plan": plan.summary(),
+            "fp8_gemms": plan.fp8_gemm_count(),
+            "kernels": plan.counts(),
+            "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),
+            "fallen_back": self.loka.dispatcher.fallen_back,
+        }
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
