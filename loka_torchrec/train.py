@@ -112,6 +112,10 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     handler = logging.FileHandler(os.path.join(rank_dir, "train.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("loka_torchrec")
+    # Hydra's logging set-up disables loggers that existed before it ran: enable ours again.
+    for name, item in logging.Logger.manager.loggerDict.items():
+        if name.startswith("loka_torchrec") and isinstance(item, logging.Logger):
+            item.disabled = False
     root.setLevel(logging.INFO)
     root.addHandler(handler)
     root.propagate = False

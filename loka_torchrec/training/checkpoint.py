@@ -27,11 +27,12 @@ META = "meta.json"
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    os.close(fd)
+    tmp = f"{path}.partial"
     try:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

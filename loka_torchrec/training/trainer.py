@@ -186,6 +186,7 @@ class Trainer:
                 self.loka.dispatcher.on_step_end(step)
             if self.probe is not None:
                 self.probe.on_step_end(step)
+            self._show_plan_if_new(bar)
             step_times.append(time.perf_counter() - t0)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
@@ -246,6 +247,18 @@ class Trainer:
         self.model.train()
         self.pipeline.attach(self.model)
         return self.eval_metrics.compute()
+
+    def _show_plan_if_new(self, bar) -> None:
+        """Print the dispatch plan table on rank 0 whenever the plan changes."""
+        if self.loka is None or not self.ctx.is_main:
+            return
+        plan = self.loka.dispatcher.plan
+        digest = (plan.step, plan.digest())
+        if digest == getattr(self, "_shown_plan", None) or plan.mode == "policy" and plan.step == 0:
+            return
+        self._shown_plan = digest
+        text = plan.table()
+        (bar.write if bar is not None else print)(text)
 
     # ------------------------------------------------------------------ state
     def state(self, step: int) -> Dict[str, Any]:
