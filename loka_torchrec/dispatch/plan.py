@@ -166,7 +166,7 @@ class DispatchPlan:
                 ev = d.evidence
                 table.add_row(
                     name if first else "",
-                    f"{plan.rows} x {plan.in_features} -> {plan.out_features}" if first else "",
+                    f"{plan.rows or '?'} x {plan.in_features} -> {plan.out_features}" if first else "",
                     role.value,
                     str(d.choice),
                     f"{ev.error.value:.4f} ({ev.error.high:.4f})" if ev else "-",
