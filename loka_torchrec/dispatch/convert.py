@@ -58,9 +58,14 @@ def _selected(fqn: str, module: nn.Linear, config: DispatchConfig) -> Optional[s
 def _raw_matmul_owner(module: nn.Module) -> bool:
     """A non-Linear module holding its own 2-D weight parameters (e.g. TorchRec's LowRankCrossNet)."""
     name = type(module).__name__
-    if isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or "Embedding" in name:
+    containers = (nn.ParameterList, nn.ParameterDict)
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag) + containers) or "Embedding" in name:
         return False
-    return any(p.dim() == 2 for p in module.parameters(recurse=False))
+    own = list(module.parameters(recurse=False))
+    for child in module.children():
+        if isinstance(child, containers):  # parameters kept in a list are still the module's own
+            own.extend(child.parameters())
+    return any(p.dim() == 2 for p in own)
 
 
 def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str, nn.Module], ConversionReport]:
