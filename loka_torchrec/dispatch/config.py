@@ -11,7 +11,7 @@ from loka_torchrec.fp8 import Fp8Format
 __all__ = ["DispatchConfig", "DISPATCH_MODES", "EVIDENCE_SOURCES"]
 
 DISPATCH_MODES = ("policy", "all-bf16", "all", "pinned")
-EVIDENCE_SOURCES = ("random", "probe")
+EVIDENCE_SOURCES = ("auto", "random", "probe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +29,9 @@ class DispatchConfig:
         max_mere: accuracy gate: a candidate's MERE upper confidence bound must be below this.
         min_speedup: speed gate: its speedup lower bound over bf16 must be at least this.
         evidence: who measures candidates in ``policy`` mode: ``"random"`` (random inputs at the
-            layer's real shapes, right after ``plan_at_step`` steps) or ``"probe"`` (the Probe's
-            learned distributions, at the end of its warm-up window).
+            layer's real shapes, right after ``plan_at_step`` steps), ``"probe"`` (the Probe's
+            learned distributions, at the end of its warm-up window), or ``"auto"`` (the Probe when
+            it is on, else random).
         plan_at_step: with ``evidence="random"``, plan after this many training steps (the
             first steps run in bf16 and reveal each layer's row count).
         samples: random-evidence error samples per layer, role and candidate.
@@ -48,7 +49,7 @@ class DispatchConfig:
     candidates: Tuple[str, ...] = ("auto",)
     max_mere: float = 0.2
     min_speedup: float = 1.05
-    evidence: str = "random"
+    evidence: str = "auto"
     plan_at_step: int = 2
     samples: int = 8
     timing_reps: int = 5
@@ -77,7 +78,7 @@ class DispatchConfig:
                 KernelChoice.parse(name, field="dispatch.candidates")
         if not self.max_mere > 0:
             raise ValueError(f"dispatch.max_mere: must be > 0, got {self.max_mere}")
-        if self.min_speedup < 0:
+        if not self.min_speedup >= 0:
             raise ValueError(f"dispatch.min_speedup: must be >= 0, got {self.min_speedup}")
         if self.plan_at_step < 1:
             raise ValueError(f"dispatch.plan_at_step: must be >= 1, got {self.plan_at_step}")

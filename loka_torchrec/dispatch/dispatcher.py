@@ -181,7 +181,7 @@ class Dispatcher(EvidenceConsumer):
     # ------------------------------------------------------------------ training-loop hook
     def on_step_end(self, step: int) -> None:
         """Call after each training step (``step`` counts from 1): plans from random evidence when due."""
-        if self.config.mode == "policy" and self.config.evidence == "random" and step == self.config.plan_at_step:
+        if self.config.mode == "policy" and self.config.evidence in ("random", "auto") and step == self.config.plan_at_step:
             evidence = self.measure_random(seed=step)
             self.replan(evidence, source="random", step=step)
 

@@ -136,11 +136,14 @@ def amax_to_scale(
             raise NonFiniteError(f"{name}: holds inf or NaN values; cannot compute an FP8 scale")
     elif nonfinite != "propagate":
         raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
-    scale = fmt.max / torch.clamp(amax, min=AMAX_EPS)
+    # The literal is AMAX_EPS: torch.compile(dynamic=True) would trace a module-level float as symbolic.
+    scale = fmt.max / torch.clamp(amax, min=1e-12)
     if margin_bits:
         scale = scale / (2.0**margin_bits)
     if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        rounded = torch.exp2(torch.floor(torch.log2(scale)))
+        # log2 can round up to an integer just above the true value: step down once more then.
+        scale = torch.where(rounded > scale, rounded / 2, rounded)
     # amax = inf would give scale 0, which turns every finite value into a silent 0: use NaN.
     return torch.where(finite, scale, torch.full_like(scale, math.nan))
 

@@ -1,0 +1,63 @@
+"""Compressed embedding comms for TorchRec: FP8 all-to-all with per-row scales.
+
+Configuration:
+    :class:`CommsConfig` -- precision per direction (fp32 | bf16 | fp8) and the FP8 wire format.
+
+Top level UX:
+    :func:`sharders` -- ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder`` with
+    the codecs (one scale per embedding row), for ``DistributedModelParallel(sharders=...)``;
+    :func:`registry` -- the ``qcomm_codecs_registry`` for any TorchRec sharder;
+    :func:`sharding_planner` / :func:`estimators` -- a planner whose comm cost counts the real
+    bytes, scales included.
+
+Types:
+    :class:`Fp8CommCodec`, :class:`Bf16CommCodec`, :class:`Fp32CommCodec` (TorchRec
+    ``QuantizedCommCodec`` implementations), :class:`NonFiniteCounters` (inf/NaN sent and received).
+
+Example::
+
+    >>> from loka_torchrec import comms
+    >>> config = comms.CommsConfig(forward="fp8", backward="bf16")
+    >>> ebc_sharder, ec_sharder = comms.sharders(config)
+"""
+
+from loka_torchrec.comms.codec import (
+    Bf16CommCodec,
+    CommCodecContext,
+    Fp8CommCodec,
+    Fp32CommCodec,
+    NonFiniteCounters,
+)
+from loka_torchrec.comms.config import DEFAULT_BLOCK, CommsConfig
+from loka_torchrec.comms.planner import CommsCostEstimator, bytes_per_value, estimators, sharding_planner
+from loka_torchrec.comms.registry import registry, resolve_block
+from loka_torchrec.comms.sharders import (
+    LokaEmbeddingBagCollectionSharder,
+    LokaEmbeddingCollectionSharder,
+    module_embedding_dims,
+    sharders,
+)
+
+__all__ = [
+    # configuration
+    "CommsConfig",
+    "DEFAULT_BLOCK",
+    # top level UX
+    "sharders",
+    "registry",
+    "estimators",
+    "sharding_planner",
+    # types
+    "Fp8CommCodec",
+    "Bf16CommCodec",
+    "Fp32CommCodec",
+    "CommCodecContext",
+    "NonFiniteCounters",
+    "CommsCostEstimator",
+    "LokaEmbeddingBagCollectionSharder",
+    "LokaEmbeddingCollectionSharder",
+    # helpers
+    "bytes_per_value",
+    "module_embedding_dims",
+    "resolve_block",
+]

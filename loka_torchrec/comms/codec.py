@@ -1,0 +1,343 @@
+"""TorchRec ``QuantizedCommCodec`` implementations: FP8 with per-block scales, bf16 and fp32.
+
+How TorchRec calls a codec on the pooled all-to-all (``torchrec/distributed/comm_ops.py``),
+which fixes the shape of everything here:
+
+1. ``ctx = codec.create_context()``;
+2. ``codec.padded_size(x, dim_sum_per_rank, my_rank, ctx)`` with ``x`` the ``(B_global,
+   D_local_sum)`` embeddings; a nonzero padding makes TorchRec pad ``x`` to 2-D, otherwise it
+   passes ``x.view(-1)``, and it strips the padding of ``ctx.padded_dim_sum_per_rank`` on receipt;
+3. ``payload = codec.encode(x, ctx)``: one flat tensor of dtype ``quantized_dtype`` for *all*
+   destinations: the codec never sees the split sizes;
+4. the split sizes become ``codec.calc_quantized_size(n_values, ctx)`` per destination, in
+   elements of ``quantized_dtype``; ``all_to_all_single`` moves the payload;
+5. ``codec.decode(received, ctx)`` gets the concatenated payloads of all senders, flat.
+
+The backward pass does the same with the ``backward`` codec and a fresh context, without
+padding. The sequence all-to-all skips ``padded_size``; the reduce-scatter calls ``encode`` and
+``decode`` with no context and sums the payload on the wire. So FP8 payloads are a sequence of
+self-contained records of ``block`` values plus their scale (see
+:mod:`loka_torchrec.kernels.fp8_comm_codec`): any split at a multiple of ``block`` values is a
+valid payload, and the scale bytes travel inside the same ``uint8`` tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.autograd.profiler import record_function
+
+from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.kernels import fp8_comm_codec as wire
+
+__all__ = [
+    "CommCodecContext",
+    "NonFiniteCounters",
+    "Fp8CommCodec",
+    "Bf16CommCodec",
+    "Fp32CommCodec",
+]
+
+
+@dataclasses.dataclass
+class CommCodecContext:
+    """State that TorchRec carries from ``encode`` to ``decode`` of one collective.
+
+    Attributes:
+        block: values per scale for this collective.
+        dtype: dtype of the tensor given to ``encode``; ``decode`` returns this dtype.
+        padded_dim_sum_per_rank: per-rank embedding widths after padding to a multiple of
+            ``block`` (set by ``padded_size`` only when some rank needs padding; TorchRec reads it).
+        row_dim: kept at 0. TorchRec's variable-batch path reads ``ctx.row_dim`` and applies
+            FBGEMM-specific row padding when it is positive; this codec pads through
+            ``padded_size`` instead.
+    """
+
+    block: int = 0
+    dtype: Optional[torch.dtype] = None
+    padded_dim_sum_per_rank: Optional[List[int]] = None
+    row_dim: int = 0
+
+
+class NonFiniteCounters:
+    """Counts of inf/NaN values that the codecs sent and received, without host synchronization.
+
+    Each codec adds to ``"<comm op>/<direction>/sent"`` (non-finite values in what it encoded)
+    and ``"<comm op>/<direction>/received"`` (non-finite values in what it decoded). Counts
+    accumulate on the payload's device; reading them (``as_dict``) synchronizes.
+
+    Example::
+
+        >>> counters = NonFiniteCounters()
+        >>> codec = Fp8CommCodec("e4m3", block=2, name="a2a/forward", counters=counters)
+        >>> _ = codec.decode(codec.encode(torch.tensor([1.0, float("inf")])))
+        >>> counters.as_dict()
+        {'a2a/forward/sent': 1, 'a2a/forward/received': 1}
+    """
+
+    def __init__(self) -> None:
+        self._slots: Dict[Tuple[str, torch.device], torch.Tensor] = {}
+        self._lock = threading.Lock()  # the backward pass runs on autograd's own thread
+
+    def slot(self, key: str, device: torch.device) -> torch.Tensor:
+        """The 1-element int64 tensor on ``device`` that counts ``key``."""
+        device = torch.device(device)
+        with self._lock:
+            tensor = self._slots.get((key, device))
+            if tensor is None:
+                tensor = torch.zeros(1, dtype=torch.int64, device=device)
+                self._slots[(key, device)] = tensor
+            return tensor
+
+    def as_dict(self) -> Dict[str, int]:
+        """``{key: count}`` summed over devices (synchronizes with the devices)."""
+        out: Dict[str, int] = {}
+        with self._lock:
+            items = list(self._slots.items())
+        for (key, _), tensor in items:
+            out[key] = out.get(key, 0) + int(tensor.item())
+        return out
+
+    def total(self) -> int:
+        return sum(self.as_dict().values())
+
+    def reset(self) -> None:
+        with self._lock:
+            for tensor in self._slots.values():
+                tensor.zero_()
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+
+
+class Fp8CommCodec:
+    """FP8 payload with one scale per ``block`` values, in TorchRec's ``QuantizedCommCodec`` shape.
+
+    Args:
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+        block: values per scale (an embedding row, or a fixed block).
+        scale_format: ``"fp32"`` or ``"e8m0"``.
+        kernel: ``"auto"`` (Triton for CUDA tensors when importable, else torch ops), ``"torch"``
+            or ``"triton"``.
+        name: ``"<comm op>/<direction>"``, the prefix of this codec's counters.
+        counters: where to count non-finite values; a private one when ``None``.
+        block_source: how ``block`` was chosen (shown in ``repr``): ``"row"``, ``"fixed"`` or
+            ``"default"``.
+
+    Example::
+
+        >>> codec = Fp8CommCodec("e4m3", block=4, kernel="torch")
+        >>> x = torch.tensor([[0.5, -1.0, 2.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+        >>> payload = codec.encode(x)
+        >>> payload.dtype, codec.calc_quantized_size(x.numel())
+        (torch.uint8, 16)
+        >>> codec.decode(payload)
+        tensor([ 0.5000, -1.0000,  2.0000,  4.0000,  0.0000,  0.0000,  0.0000,  0.0000])
+    """
+
+    def __init__(
+        self,
+        fmt="e4m3",
+        *,
+        block: int,
+        scale_format: str = "fp32",
+        kernel: str = "auto",
+        name: str = "fp8",
+        counters: Optional[NonFiniteCounters] = None,
+        block_source: str = "fixed",
+    ) -> None:
+        self.fmt = Fp8Format.parse(fmt, field="fmt")
+        if self.fmt not in wire.SUPPORTED_FORMATS:
+            raise ValueError(f"fmt: expected e4m3 or e5m2, got {self.fmt.value}")
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"block: expected a positive int, got {block!r}")
+        if scale_format not in wire.SCALE_BYTES:
+            raise ValueError(f"scale_format: expected one of {sorted(wire.SCALE_BYTES)}, got {scale_format!r}")
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel: expected 'auto', 'torch' or 'triton', got {kernel!r}")
+        if kernel == "triton" and not wire.HAS_TRITON:
+            raise ValueError("kernel='triton' but triton is not importable; use kernel='auto' or 'torch'")
+        self.block = block
+        self.scale_format = scale_format
+        self.kernel = kernel
+        self.name = name
+        self.counters = counters if counters is not None else NonFiniteCounters()
+        self.block_source = block_source
+
+    # --- TorchRec QuantizedCommCodec protocol ---------------------------------------------
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def create_context(self) -> CommCodecContext:
+        return CommCodecContext(block=self.block)
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        """``(..., )`` float tensor -> 1-D ``uint8`` payload (records of ``block`` values + scale)."""
+        if not input_tensor.is_floating_point():
+            raise TypeError(f"{self.name}: encode expects a floating point tensor, got {input_tensor.dtype}")
+        block = self._block(ctx)
+        if ctx is not None:
+            ctx.dtype = input_tensor.dtype
+        with record_function(f"## loka fp8 encode {self.name} ##"):
+            count = self.counters.slot(f"{self.name}/sent", input_tensor.device)
+            return wire.encode(
+                _flat(input_tensor), block=block, fmt=self.fmt, scale_format=self.scale_format,
+                count=count, kernel=self._kernel_for(input_tensor),
+            )  # fmt: skip
+
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        """1-D ``uint8`` payload (any number of senders) -> 1-D tensor of ``ctx.dtype`` (else fp32)."""
+        block = self._block(ctx)
+        out_dtype = ctx.dtype if ctx is not None and ctx.dtype is not None else torch.float32
+        with record_function(f"## loka fp8 decode {self.name} ##"):
+            count = self.counters.slot(f"{self.name}/received", input_grad.device)
+            return wire.decode(
+                _flat(input_grad), block=block, fmt=self.fmt, scale_format=self.scale_format,
+                out_dtype=out_dtype, count=count, kernel=self._kernel_for(input_grad),
+            )  # fmt: skip
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[CommCodecContext] = None) -> int:
+        """Payload length in bytes of ``input_len`` values (a multiple of the block)."""
+        block = self._block(ctx)
+        if input_len % block:
+            raise ValueError(
+                f"{self.name}: a split of {input_len} values is not a multiple of the FP8 comm block "
+                f"of {block} values ({self.block_source}); choose CommsConfig.block_size dividing every "
+                "embedding dim, or build the codecs with loka_torchrec.comms.sharders() / "
+                "registry(config, embedding_dims=...) so the block follows the embedding rows"
+            )
+        return wire.encoded_size(input_len, block, self.scale_format)
+
+    def padded_size(
+        self,
+        input_tensor: torch.Tensor,
+        dim_per_rank: List[int],
+        my_rank: int,
+        qcomm_ctx: Optional[CommCodecContext],
+    ) -> Tuple[int, int]:
+        """Pad each rank's embedding width to a multiple of the block: ``(padded width, padding)``."""
+        if input_tensor.dim() == 1:
+            return input_tensor.shape[0], 0
+        block = self._block(qcomm_ctx)
+        padding = [(-dim_sum) % block for dim_sum in dim_per_rank]
+        if not any(padding):
+            return input_tensor.shape[1], 0
+        if qcomm_ctx is not None:
+            # Set whenever *any* rank pads: the receive side splits by every sender's padded width.
+            qcomm_ctx.padded_dim_sum_per_rank = [d + p for d, p in zip(dim_per_rank, padding)]
+        return dim_per_rank[my_rank] + padding[my_rank], padding[my_rank]
+
+    # --- reporting ------------------------------------------------------------------------
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Bytes on the wire per embedding value, scales included."""
+        return wire.record_bytes(self.block, self.scale_format) / self.block
+
+    def kernel_description(self) -> str:
+        if self.kernel == "torch" or not wire.HAS_TRITON:
+            return "torch ops"
+        if self.kernel == "triton":
+            return "triton"
+        return "triton on CUDA tensors, torch ops otherwise"
+
+    def __repr__(self) -> str:
+        return (
+            f"Fp8CommCodec({self.name}: {self.fmt.value}, block={self.block} ({self.block_source}), "
+            f"scale={self.scale_format}, {self.bytes_per_value:.4f} bytes/value, kernel={self.kernel_description()})"
+        )
+
+    def _block(self, ctx: Optional[CommCodecContext]) -> int:
+        return ctx.block if ctx is not None and ctx.block > 0 else self.block
+
+    def _kernel_for(self, t: torch.Tensor) -> str:
+        if self.kernel == "auto":
+            return "triton" if wire.triton_usable(t) else "torch"
+        return self.kernel
+
+
+class Bf16CommCodec:
+    """bf16 payload (round to nearest even), shape preserved; non-finite values are counted.
+
+    Example::
+
+        >>> codec = Bf16CommCodec()
+        >>> codec.decode(codec.encode(torch.tensor([1.0, 3.14159])))
+        tensor([1.0000, 3.1406])
+    """
+
+    def __init__(self, *, name: str = "bf16", counters: Optional[NonFiniteCounters] = None) -> None:
+        self.name = name
+        self.counters = counters if counters is not None else NonFiniteCounters()
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def create_context(self) -> CommCodecContext:
+        return CommCodecContext()
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        if ctx is not None:
+            ctx.dtype = input_tensor.dtype
+        with record_function(f"## loka bf16 encode {self.name} ##"):
+            self.counters.slot(f"{self.name}/sent", input_tensor.device).add_((~torch.isfinite(input_tensor)).sum())
+            return input_tensor.to(torch.bfloat16).contiguous()
+
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        out_dtype = ctx.dtype if ctx is not None and ctx.dtype is not None else torch.float32
+        with record_function(f"## loka bf16 decode {self.name} ##"):
+            self.counters.slot(f"{self.name}/received", input_grad.device).add_((~torch.isfinite(input_grad)).sum())
+            return input_grad.to(out_dtype)
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[CommCodecContext] = None) -> int:
+        return input_len
+
+    def padded_size(self, input_tensor, dim_per_rank, my_rank, qcomm_ctx) -> Tuple[int, int]:
+        return (input_tensor.shape[0] if input_tensor.dim() == 1 else input_tensor.shape[1]), 0
+
+    @property
+    def bytes_per_value(self) -> float:
+        return 2.0
+
+    def __repr__(self) -> str:
+        return f"Bf16CommCodec({self.name})"
+
+
+class Fp32CommCodec:
+    """No compression: the payload is the input itself (the direction stays in full precision)."""
+
+    def __init__(self, *, name: str = "fp32") -> None:
+        self.name = name
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def create_context(self) -> CommCodecContext:
+        return CommCodecContext()
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        return input_tensor
+
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        return input_grad
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[CommCodecContext] = None) -> int:
+        return input_len
+
+    def padded_size(self, input_tensor, dim_per_rank, my_rank, qcomm_ctx) -> Tuple[int, int]:
+        return (input_tensor.shape[0] if input_tensor.dim() == 1 else input_tensor.shape[1]), 0
+
+    @property
+    def bytes_per_value(self) -> float:
+        return 4.0
+
+    def __repr__(self) -> str:
+        return f"Fp32CommCodec({self.name})"

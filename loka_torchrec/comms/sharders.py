@@ -1,0 +1,126 @@
+"""TorchRec sharders whose comm codecs follow each module's embedding rows."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ModuleSharder, QuantizedCommCodecs
+
+from loka_torchrec.comms.codec import NonFiniteCounters
+from loka_torchrec.comms.config import CommsConfig
+from loka_torchrec.comms.registry import registry
+
+__all__ = ["sharders", "module_embedding_dims", "LokaEmbeddingBagCollectionSharder", "LokaEmbeddingCollectionSharder"]
+
+
+def module_embedding_dims(module: nn.Module, params: Optional[Dict[str, Any]] = None) -> List[int]:
+    """Embedding dims of an ``EmbeddingBagCollection`` / ``EmbeddingCollection`` and the widths of its column shards.
+
+    Args:
+        module: the unsharded module.
+        params: its ``{table name: ParameterSharding}`` from the plan (column-wise shards are
+            narrower than the table).
+    """
+    configs = []
+    for getter in ("embedding_bag_configs", "embedding_configs"):
+        if hasattr(module, getter):
+            configs = list(getattr(module, getter)())
+            break
+    dims = [int(cfg.embedding_dim) for cfg in configs]
+    for sharding in (params or {}).values():
+        spec = getattr(sharding, "sharding_spec", None)
+        for shard in getattr(spec, "shards", None) or []:
+            if len(shard.shard_sizes) == 2:
+                dims.append(int(shard.shard_sizes[1]))
+    return dims
+
+
+class _RowBoundCodecs:
+    """Mixin: while ``shard()`` runs, ``qcomm_codecs_registry`` is built for that module's dims.
+
+    The registries built so are kept in ``bound_registries`` (by module fqn) for inspection.
+    """
+
+    _comms_config: CommsConfig
+    nonfinite_counters: NonFiniteCounters
+    _bound_registry: Optional[Dict[str, QuantizedCommCodecs]] = None
+
+    def _init_comms(self, config: CommsConfig, counters: Optional[NonFiniteCounters]) -> None:
+        self._comms_config = config
+        self.nonfinite_counters = counters if counters is not None else NonFiniteCounters()
+        self._bound_registry = None
+        self.bound_registries: Dict[str, Dict[str, QuantizedCommCodecs]] = {}
+
+    @property
+    def qcomm_codecs_registry(self) -> Optional[Dict[str, QuantizedCommCodecs]]:
+        if self._bound_registry is not None:
+            return self._bound_registry
+        return self._qcomm_codecs_registry  # the dims-agnostic registry (what the planner reads)
+
+    def shard(self, module: nn.Module, params: Dict[str, Any], *args: Any, **kwargs: Any):
+        dims = module_embedding_dims(module, params)
+        self._bound_registry = registry(self._comms_config, embedding_dims=dims or None, counters=self.nonfinite_counters)
+        if self._bound_registry is not None:
+            self.bound_registries[str(kwargs.get("module_fqn") or len(self.bound_registries))] = self._bound_registry
+        try:
+            return super().shard(module, params, *args, **kwargs)
+        finally:
+            self._bound_registry = None
+
+
+class LokaEmbeddingBagCollectionSharder(_RowBoundCodecs, EmbeddingBagCollectionSharder):
+    """``EmbeddingBagCollectionSharder`` with loka comm codecs (one scale per embedding row).
+
+    Args:
+        config: comm precisions.
+        counters: shared non-finite counters (``self.nonfinite_counters``).
+        **kwargs: passed to ``EmbeddingBagCollectionSharder`` (e.g. ``fused_params``).
+    """
+
+    def __init__(self, config: CommsConfig, *, counters: Optional[NonFiniteCounters] = None, **kwargs: Any) -> None:
+        self._init_comms(config, counters)
+        super().__init__(qcomm_codecs_registry=registry(config, counters=self.nonfinite_counters), **kwargs)
+
+
+class LokaEmbeddingCollectionSharder(_RowBoundCodecs, EmbeddingCollectionSharder):
+    """``EmbeddingCollectionSharder`` with loka comm codecs (one scale per embedding row)."""
+
+    def __init__(self, config: CommsConfig, *, counters: Optional[NonFiniteCounters] = None, **kwargs: Any) -> None:
+        self._init_comms(config, counters)
+        super().__init__(qcomm_codecs_registry=registry(config, counters=self.nonfinite_counters), **kwargs)
+
+
+def sharders(
+    config: CommsConfig,
+    *,
+    counters: Optional[NonFiniteCounters] = None,
+    fused_params: Optional[Dict[str, Any]] = None,
+) -> List[ModuleSharder[nn.Module]]:
+    """``[EmbeddingBagCollectionSharder, EmbeddingCollectionSharder]`` with loka comm codecs.
+
+    At sharding time each module's codecs get the gcd of its embedding dims (and column-shard
+    widths) as block when ``config.block_size == 0``: one scale per embedding row. All codecs
+    share one :class:`NonFiniteCounters` (``sharder.nonfinite_counters``).
+
+    Args:
+        config: comm precisions (all-fp32 gives plain sharders with no codecs).
+        counters: the shared counters; a new one when ``None``.
+        fused_params: passed to both sharders (TBE options such as the fused optimizer).
+
+    Example::
+
+        >>> ebc_sharder, ec_sharder = sharders(CommsConfig(forward="fp8", backward="bf16"))
+        >>> ebc_sharder.nonfinite_counters is ec_sharder.nonfinite_counters
+        True
+    """
+    if not isinstance(config, CommsConfig):
+        raise TypeError(f"config: expected a CommsConfig, got {type(config).__name__}")
+    counters = counters if counters is not None else NonFiniteCounters()
+    kwargs = {"fused_params": fused_params} if fused_params is not None else {}
+    return [
+        LokaEmbeddingBagCollectionSharder(config, counters=counters, **kwargs),
+        LokaEmbeddingCollectionSharder(config, counters=counters, **kwargs),
+    ]
