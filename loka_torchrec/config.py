@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Mapping, Type, TypeVar
 
+from loka_torchrec.comms.config import CommsConfig
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.mods.config import ModsConfig
+from loka_torchrec.probe.config import ProbeConfig
 
 __all__ = ["LokaConfig", "from_mapping"]
 
@@ -35,10 +38,22 @@ class LokaConfig:
     Attributes:
         enabled: the one switch.
         dispatch: per-GEMM kernel choice (:class:`~loka_torchrec.dispatch.config.DispatchConfig`).
+            Its ``evidence="auto"`` resolves to ``"probe"`` when the Probe is on, else ``"random"``.
+        probe: in-training statistics and evidence (:class:`~loka_torchrec.probe.config.ProbeConfig`).
+        mods: model changes applied before conversion (:class:`~loka_torchrec.mods.config.ModsConfig`).
+        comms: FP8 embedding all-to-all (:class:`~loka_torchrec.comms.config.CommsConfig`).
     """
 
     enabled: bool = False
     dispatch: DispatchConfig = DispatchConfig()
+    probe: ProbeConfig = ProbeConfig()
+    mods: ModsConfig = ModsConfig()
+    comms: CommsConfig = CommsConfig()
+
+    def __post_init__(self) -> None:
+        if self.dispatch.evidence == "auto":
+            resolved = "probe" if self.probe.enabled else "random"
+            object.__setattr__(self, "dispatch", dataclasses.replace(self.dispatch, evidence=resolved))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "LokaConfig":

@@ -1,0 +1,205 @@
+"""Probe overhead as a percentage of step time, for a model with LRM-sized linears.
+
+What is measured (one process, the current device):
+
+1. ``t_step``: median time of a plain training step (forward, backward, SGD) without the Probe;
+2. ``c_idle``: extra time of a step on which the Probe is enabled but not probing (no hooks are
+   registered; this is the cost of ``on_step_end``'s bookkeeping);
+3. ``c_warm``: extra time of a warm-up probe step (hooks fold every row into float64 mean and
+   covariance, cross-rank merge, logs);
+4. ``c_eval``: one-time cost of the evaluation at the end of the warm-up window (Gaussian draws,
+   every candidate's error, speed benchmarks);
+5. ``c_monitor``: extra time of a probe step after the warm-up window (amax, kurtosis and
+   fractions only, safety-valve check, logs).
+
+From these, the average overhead of a run of ``L`` steps at the default cadence
+(``ProbeConfig()``: every 10 steps in a 200-step warm-up, then every 100) is
+``(n_warm c_warm + c_eval + n_mon c_monitor + n_idle c_idle) / (L t_step)``. A direct measurement
+of ``--direct-steps`` steps at the default cadence (with and without the Probe) checks it.
+
+Usage::
+
+    python benchmarks/probe_overhead.py --out benchmarks/results            # CPU
+    python benchmarks/probe_overhead.py --device cuda --batch 8192 --out benchmarks/results
+
+Writes ``probe_overhead_<device>.json`` and ``.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+from loka_torchrec.probe import ProbeCallback, ProbeConfig
+from loka_torchrec.probe.evaluate import device_name
+
+# (in, out) of each linear: the K, N of 256..2048 that large recommendation models are made of
+LRM_LAYERS = [(512, 1024), (1024, 1024), (1024, 2048), (2048, 512), (512, 512), (512, 256), (256, 1)]
+
+
+def build_model(device: torch.device, dtype: torch.dtype) -> nn.Module:
+    layers: List[nn.Module] = []
+    for i, (k, n) in enumerate(LRM_LAYERS):
+        layers.append(nn.Linear(k, n))
+        if i + 1 < len(LRM_LAYERS):
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers).to(device=device, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_steps(model, opt, batches, device, probe=None, start=0) -> List[float]:
+    """Times (ms) of each step, ``probe.on_step_end`` included."""
+    times = []
+    for i, x in enumerate(batches):
+        step = start + i
+        _sync(device)
+        t0 = time.perf_counter()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if probe is not None:
+            probe.on_step_end(step)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def make_batches(n: int, batch: int, device, dtype, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pool = [torch.randn(batch, LRM_LAYERS[0][0], generator=gen, device=device, dtype=torch.float32).to(dtype) for _ in range(4)]
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def default_cadence_overhead(t_step: float, c: Dict[str, float], run_steps_: int) -> float:
+    cfg = ProbeConfig()
+    steps = range(run_steps_)
+    n_warm = sum(1 for s in steps if s < cfg.warmup_steps and cfg.is_probe_step(s))
+    n_mon = sum(1 for s in steps if s >= cfg.warmup_steps and cfg.is_probe_step(s))
+    n_idle = run_steps_ - n_warm - n_mon
+    extra = n_warm * c["warm"] + (c["eval"] if run_steps_ >= cfg.warmup_steps else 0.0) + n_mon * c["monitor"] + n_idle * c["idle"]
+    return 100.0 * extra / (run_steps_ * t_step)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: 8192 on CUDA, 1024 on CPU)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per phase")
+    parser.add_argument("--direct-steps", type=int, default=400, help="steps of the direct default-cadence run (0: skip)")
+    parser.add_argument("--run-lengths", type=int, nargs="+", default=[1000, 10000, 100000])
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch = args.batch or (8192 if device.type == "cuda" else 1024)
+    torch.manual_seed(0)
+    model = build_model(device, dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    n = args.steps
+    run_steps(model, opt, make_batches(5, batch, device, dtype), device)  # warm-up of the device and allocator
+    base = run_steps(model, opt, make_batches(n, batch, device, dtype), device)
+    t_step = statistics.median(base)
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        # warm-up probe steps, the evaluation, then monitoring probe steps: every step probes
+        warm = max(3, n // 2)
+        cfg = ProbeConfig(enabled=True, every=1, warmup_steps=warm, every_after=1)
+        probe = ProbeCallback(model, cfg, run_dir=run_dir)
+        times = run_steps(model, opt, make_batches(warm + n, batch, device, dtype), device, probe)
+        probe.close()
+        warm_times, plan_time, monitor_times = times[: warm - 1], times[warm - 1], times[warm:]
+        seconds = dict(probe.seconds)
+        # idle steps: enabled, outside every probe step
+        cfg_idle = ProbeConfig(enabled=True, every=10**9, warmup_steps=1, every_after=0)
+        idle_probe = ProbeCallback(model, cfg_idle, run_dir=run_dir)
+        idle_probe.on_step_end(0)  # step 0 (the only probe step) and the plan happen here
+        idle = run_steps(model, opt, make_batches(n, batch, device, dtype), device, idle_probe, start=1)
+        idle_probe.close()
+    c = {
+        "warm": statistics.median(warm_times) - t_step,
+        "eval": plan_time - statistics.median(warm_times),
+        "monitor": statistics.median(monitor_times) - t_step,
+        "idle": statistics.median(idle) - t_step,
+    }
+    predicted = {L: default_cadence_overhead(t_step, c, L) for L in args.run_lengths}
+
+    direct = None
+    if args.direct_steps:
+        batches = make_batches(args.direct_steps, batch, device, dtype, seed=1)
+        plain = sum(run_steps(model, opt, batches, device))
+        with tempfile.TemporaryDirectory() as run_dir:
+            probe = ProbeCallback(model, ProbeConfig(enabled=True), run_dir=run_dir)
+            probed = sum(run_steps(model, opt, batches, device, probe))
+            probe.close()
+        direct = {
+            "steps": args.direct_steps,
+            "plain_ms": plain,
+            "probed_ms": probed,
+            "overhead_pct": 100.0 * (probed - plain) / plain,
+            "predicted_pct": default_cadence_overhead(t_step, c, args.direct_steps),
+        }
+
+    result = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype),
+        "batch": batch,
+        "layers": LRM_LAYERS,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "config_default": dataclasses.asdict(ProbeConfig()),
+        "t_step_ms": t_step,
+        "t_step_iqr_ms": [statistics.quantiles(base, n=4)[0], statistics.quantiles(base, n=4)[2]],
+        "extra_ms": c,
+        "probe_seconds_breakdown": seconds,
+        "predicted_overhead_pct": predicted,
+        "direct": direct,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"probe_overhead_{device.type}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [
+        f"# Probe overhead on {result['device']} ({dtype}, batch {batch}, linears {LRM_LAYERS})",
+        "",
+        f"Command: `{result['command']}`; torch {torch.__version__}.",
+        "",
+        "| quantity | ms |",
+        "|---|---|",
+        f"| plain step (median) | {t_step:.2f} |",
+        f"| extra, step with Probe enabled but not probing | {c['idle']:.3f} |",
+        f"| extra, warm-up probe step | {c['warm']:.2f} |",
+        f"| extra, monitoring probe step | {c['monitor']:.2f} |",
+        f"| one-time evaluation at the end of warm-up | {c['eval']:.1f} |",
+        "",
+        "| run length (steps), default cadence | predicted overhead |",
+        "|---|---|",
+        *[f"| {L} | {p:.2f}% |" for L, p in predicted.items()],
+    ]
+    if direct:
+        lines += ["", f"Direct run of {direct['steps']} steps at the default cadence: {direct['overhead_pct']:.1f}% measured, {direct['predicted_pct']:.1f}% predicted."]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

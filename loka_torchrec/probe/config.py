@@ -1,0 +1,149 @@
+"""The Probe's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+__all__ = ["ProbeConfig", "ERROR_BASES"]
+
+ERROR_BASES = ("gaussian", "captured", "max")
+"""Which measured error becomes :attr:`CandidateEvidence.error` (see :attr:`ProbeConfig.error_basis`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    """What the Probe collects, how often, and when its safety valve fires.
+
+    Steps are the integers passed to :meth:`ProbeCallback.on_step_end`. A step ``s`` is a
+    *probe step* (hooks collect statistics during it) when ``s < warmup_steps`` and
+    ``s % every == 0``, or when ``s >= warmup_steps`` and ``(s - warmup_steps) % every_after == 0``.
+    At the end of the last warm-up step the Probe merges its statistics across ranks,
+    measures error and speed of every candidate kernel, and hands the evidence to Dispatch.
+
+    Attributes:
+        enabled: master switch; a disabled Probe registers no hook and does nothing.
+        every: cadence (in steps) during the warm-up window.
+        warmup_steps: length of the warm-up window; evidence is produced at its end.
+        every_after: cadence after the warm-up window (safety-valve checks); 0 turns them off.
+        samples: K, the number of Gaussian draws per layer, role and candidate. ``None``
+            resolves to 100 on CUDA and 16 on the CPU (a CPU draw of an LRM-sized GEMM costs
+            milliseconds; 16 draws keep a t-interval of the mean MERE within a few percent).
+        max_cov_dim: full covariance is kept for at most this many features of a tensor; a
+            wider tensor keeps full covariance on a fixed random subset of ``max_cov_dim``
+            features plus the variance of every feature (see ``docs/probe.md``). The weight
+            model keeps a diagonal factor beyond this size.
+        max_rows_per_step: cap on ``M`` (rows) for the speed benchmark and for each Gaussian
+            draw. ``None`` resolves to no cap on CUDA and 256 on the CPU.
+        speed_reps: timed repetitions per candidate. ``None`` resolves to 50 on CUDA and 5 on the CPU.
+        reservoir_rows: real rows (input and output-gradient pairs) kept per layer to measure
+            the error on captured data next to the Gaussian model.
+        amax_history: number of probe steps whose amax is remembered (delayed-scaling
+            saturation and plots).
+        weight_ema: EMA decay of the weight model's row and column factors (0 = latest only).
+        error_basis: which error becomes the evidence's ``error``: ``"gaussian"`` (draws from
+            the learned distributions), ``"captured"`` (the reservoir of real rows) or ``"max"``
+            (the larger of the two point estimates, with its interval; the default, since the
+            Gaussian model misses heavy tails).
+        seed: seed of the Gaussian draws and of the covariance subset (identical on all ranks).
+        amax_jump_ratio: safety valve: a probe step whose amax exceeds this multiple of the
+            reference amax trips the layer.
+        kurtosis_spike_ratio: safety valve: a probe step whose kurtosis exceeds this multiple of
+            the reference kurtosis trips the layer.
+        underflow_rise: safety valve: absolute rise of an underflow fraction (0..1) that trips.
+        saturation_rise: safety valve: absolute rise of a delayed-scaling saturation fraction.
+        readmit_windows: probe steps without a trigger that a tripped layer needs before it is
+            re-evaluated for readmission.
+        readmit_error_ratio: a re-evaluated layer keeps its plan when every candidate's new
+            error is at most this multiple of its plan-time error; otherwise Dispatch re-plans
+            with the new evidence before the layer is readmitted.
+
+    Example::
+
+        >>> ProbeConfig(enabled=True, every=5, warmup_steps=50).resolved_samples("cpu")
+        16
+    """
+
+    enabled: bool = False
+    every: int = 10
+    warmup_steps: int = 200
+    every_after: int = 100
+    samples: Optional[int] = None
+    max_cov_dim: int = 1024
+    max_rows_per_step: Optional[int] = None
+    speed_reps: Optional[int] = None
+    reservoir_rows: int = 512
+    amax_history: int = 16
+    weight_ema: float = 0.9
+    error_basis: str = "max"
+    seed: int = 0
+    amax_jump_ratio: float = 8.0
+    kurtosis_spike_ratio: float = 4.0
+    underflow_rise: float = 0.05
+    saturation_rise: float = 0.01
+    readmit_windows: int = 2
+    readmit_error_ratio: float = 1.25
+
+    def __post_init__(self) -> None:
+        _positive_int("every", self.every)
+        _positive_int("warmup_steps", self.warmup_steps)
+        if not isinstance(self.every_after, int) or self.every_after < 0:
+            raise ValueError(f"every_after: expected an int >= 0 (0 = no checks after warm-up), got {self.every_after!r}")
+        for name in ("samples", "max_rows_per_step", "speed_reps"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive_int(name, value)
+        if self.samples is not None and self.samples < 2:
+            raise ValueError(f"samples: a confidence interval needs at least 2 draws, got {self.samples}")
+        _positive_int("max_cov_dim", self.max_cov_dim)
+        _positive_int("reservoir_rows", self.reservoir_rows)
+        _positive_int("amax_history", self.amax_history)
+        _positive_int("readmit_windows", self.readmit_windows)
+        if not 0.0 <= self.weight_ema < 1.0:
+            raise ValueError(f"weight_ema: expected a decay in [0, 1), got {self.weight_ema!r}")
+        if self.error_basis not in ERROR_BASES:
+            raise ValueError(f"error_basis: expected one of {', '.join(ERROR_BASES)}, got {self.error_basis!r}")
+        for name in ("amax_jump_ratio", "kurtosis_spike_ratio", "readmit_error_ratio"):
+            if not getattr(self, name) > 1.0:
+                raise ValueError(f"{name}: expected a ratio > 1, got {getattr(self, name)!r}")
+        for name in ("underflow_rise", "saturation_rise"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: expected a fraction in (0, 1], got {getattr(self, name)!r}")
+
+    # ------------------------------------------------------------------------------ cadence
+    def is_probe_step(self, step: int) -> bool:
+        """Whether statistics are collected during ``step``."""
+        if step < 0:
+            return False
+        if step < self.warmup_steps:
+            return step % self.every == 0
+        if self.every_after == 0:
+            return False
+        return (step - self.warmup_steps) % self.every_after == 0
+
+    def is_last_warmup_step(self, step: int) -> bool:
+        """Whether the evidence is produced at the end of ``step``."""
+        return step == self.warmup_steps - 1
+
+    # ------------------------------------------------------------------------------ device defaults
+    def resolved_samples(self, device: "torch.device | str") -> int:
+        if self.samples is not None:
+            return self.samples
+        return 100 if torch.device(device).type == "cuda" else 16
+
+    def resolved_max_rows(self, device: "torch.device | str") -> Optional[int]:
+        if self.max_rows_per_step is not None:
+            return self.max_rows_per_step
+        return None if torch.device(device).type == "cuda" else 256
+
+    def resolved_speed_reps(self, device: "torch.device | str") -> int:
+        if self.speed_reps is not None:
+            return self.speed_reps
+        return 50 if torch.device(device).type == "cuda" else 5
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")

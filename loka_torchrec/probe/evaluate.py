@@ -1,0 +1,101 @@
+"""From one layer's statistics to :class:`CandidateEvidence`: error (quantify) plus speed (speed)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice
+from loka_torchrec.probe.config import ProbeConfig
+from loka_torchrec.probe.quantify import CandidateError, LayerSnapshot, draw_rows, quantify_errors
+from loka_torchrec.probe.speed import SpeedCache
+
+__all__ = ["evaluate_layer", "device_name", "choose_error"]
+
+_INF = Interval(math.inf, math.inf, math.inf, 0, "none")
+
+
+def device_name(device: torch.device) -> str:
+    """``"cpu"`` or the CUDA device's marketing name."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def choose_error(err: CandidateError, basis: str) -> Tuple[Interval, Interval, str]:
+    """The MERE interval, SQNR interval and a short label for ``basis`` (see :class:`ProbeConfig`)."""
+    if basis == "gaussian" or err.captured is None:
+        label = "gaussian" if basis == "gaussian" else "gaussian (no captured rows)"
+        return err.gaussian, err.gaussian_sqnr, label
+    if basis == "captured" or err.captured.value > err.gaussian.value:
+        return err.captured, err.captured_sqnr or err.gaussian_sqnr, "captured"
+    return err.gaussian, err.gaussian_sqnr, "gaussian"
+
+
+def evaluate_layer(
+    snap: LayerSnapshot,
+    candidates: Dict[GemmRole, Sequence[KernelChoice]],
+    *,
+    config: ProbeConfig,
+    speed_cache: SpeedCache,
+    seed: int = 0,
+) -> Tuple[List[CandidateEvidence], List[Dict[str, Any]]]:
+    """Evidence for every candidate of every role of one layer, and the detail records for the log.
+
+    Args:
+        snap: the layer (statistics, weight, reservoir, rows per call).
+        candidates: kernels to evaluate per role (from ``EvidenceConsumer.candidates``).
+        config: samples, row cap and error basis.
+        speed_cache: shared timing cache (layers of one shape are timed once).
+        seed: base seed of the Gaussian draws.
+
+    Returns:
+        ``(evidence, details)``: one :class:`CandidateEvidence` per (role, candidate), and per
+        evidence a dict with every error measurement (Gaussian, weight model, captured).
+    """
+    device = snap.weight.device
+    dtype = snap.weight.dtype
+    max_rows = config.resolved_max_rows(device)
+    errors = quantify_errors(
+        snap, candidates, samples=config.resolved_samples(device), max_rows=max_rows, seed=seed, dtype=dtype
+    )
+    timed_rows = draw_rows(snap.rows, max_rows)
+    name = device_name(device)
+    evidence: List[CandidateEvidence] = []
+    details: List[Dict[str, Any]] = []
+    for role, choices in candidates.items():
+        role = GemmRole(role)
+        real_shape = GemmShape.for_role(role, snap.rows, snap.in_features, snap.out_features)
+        timed_shape = GemmShape.for_role(role, timed_rows, snap.in_features, snap.out_features)
+        baseline = speed_cache.time(BF16, role, timed_shape, dtype=dtype, device=device)
+        for choice in dict.fromkeys(choices):
+            err = errors[(role, choice)]
+            notes = [err.note] if err.note else []
+            if err.available:
+                mere, sqnr, label = choose_error(err, config.error_basis)
+                timing = speed_cache.time(choice, role, timed_shape, dtype=dtype, device=device)
+                if isinstance(timing, str):
+                    notes.append(f"unavailable: {timing}")
+                    timing = _INF
+                notes.append(f"error: {label}")
+            else:
+                mere, sqnr, timing = err.gaussian, err.gaussian_sqnr, _INF
+            if timed_rows != snap.rows:
+                notes.append(f"timed at M={timed_shape.m}" if role != GemmRole.GRAD_WEIGHT else f"timed at K={timed_shape.k}")
+            ev = CandidateEvidence(
+                layer=snap.name,
+                role=role,
+                candidate=choice,
+                shape=real_shape,
+                error=mere,
+                time_ms=timing,
+                baseline_time_ms=baseline if isinstance(baseline, Interval) else _INF,
+                source="probe",
+                sqnr_db=sqnr,
+                device=name,
+                note="; ".join(notes),
+            )
+            evidence.append(ev)
+            details.append({"role": role.value, "candidate": str(choice), "errors": err.to_dict()})
+    return evidence, details

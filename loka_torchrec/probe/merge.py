@@ -1,0 +1,159 @@
+"""Exact cross-rank merge of :class:`TensorStatistics` with ``torch.distributed``.
+
+Ranks exchange sufficient statistics, never averages of per-rank means, in three collectives for
+any number of tensors (everything is packed into one float64 buffer per collective):
+
+1. ``SUM`` of counts, element counts, ``count * mean`` (the sum of rows), the power sums, the
+   non-finite, underflow and saturation counts. Every rank now knows the global mean ``mu``.
+2. ``MAX`` of amax and of the rows per call.
+3. ``SUM`` of each rank's scatter taken around the *global* mean,
+   ``M2_r + n_r (mean_r - mu)(mean_r - mu)^T``, which adds up to the scatter of the union of
+   the data (the parallel-axis theorem; the same identity as Chan's pairwise merge).
+
+The buffer travels on the device the process group wants (CUDA for NCCL, CPU for gloo) and the
+merged statistics come back on the device of the inputs. Without an initialized process group
+(or with one rank) the merge is a copy.
+
+Ranks must pass statistics of the same dims in the same order (the callback sorts layers by name).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from loka_torchrec.probe.statistics import TensorStatistics
+
+__all__ = ["all_reduce_statistics", "rank_deviation", "is_distributed", "comm_device"]
+
+
+def is_distributed(group: Optional[Any] = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def comm_device(group: Optional[Any] = None) -> torch.device:
+    """The device a collective's tensors must live on for ``group``'s backend."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_statistics(stats: Sequence[TensorStatistics], group: Optional[Any] = None) -> List[TensorStatistics]:
+    """Merged copies of ``stats``: each the statistics of the union of all ranks' rows.
+
+    Args:
+        stats: this rank's statistics; every rank passes the same dims in the same order.
+        group: process group (default: the world).
+
+    Returns:
+        New :class:`TensorStatistics`, identical on every rank, on the inputs' devices.
+
+    Example::
+
+        >>> s = TensorStatistics(2); s.update(torch.ones(3, 2))
+        >>> all_reduce_statistics([s])[0].count  # one process: a copy
+        3
+    """
+    copies = [s.clone() for s in stats]
+    if not copies or not is_distributed(group):
+        return copies
+    device = comm_device(group)
+
+    # 1. sums: counts, row sums, power sums, event counts
+    parts: List[torch.Tensor] = []
+    for s in copies:
+        counts = torch.tensor([s.count, s.numel, s.sat_numel, s.light_rows], dtype=torch.float64)
+        parts += [
+            counts.to(device),
+            (s.mean * s.count).to(device),
+            torch.stack([s.sum_sq, s.sum_4th, s.sum_row_ms_sq, s.nonfinite, s.saturation]).to(device),
+            s.underflow.reshape(-1).to(device),
+        ]
+    sums = _all_reduce(torch.cat(parts), dist.ReduceOp.SUM, group)
+
+    # 2. maxima
+    maxima = _all_reduce(
+        torch.cat([torch.stack([s.amax.cpu(), torch.tensor(float(s.max_rows), dtype=torch.float64)]) for s in copies]).to(device),
+        dist.ReduceOp.MAX,
+        group,
+    )
+
+    # 3. scatter around the global mean
+    global_means: List[torch.Tensor] = []
+    offset = 0
+    scatter_parts: List[torch.Tensor] = []
+    for s in copies:
+        count, numel, sat_numel, light_rows = (int(round(v)) for v in sums[offset : offset + 4].tolist())
+        offset += 4
+        row_sum = sums[offset : offset + s.dim].to(s.device)
+        offset += s.dim
+        mu = row_sum / count if count else torch.zeros_like(row_sum)
+        global_means.append(mu)
+        delta = s.mean - mu
+        ds = delta if s.is_full_covariance else delta[s.cov_index.to(delta.device)]
+        scatter_parts += [
+            (s.m2_diag + s.count * delta * delta).to(device),
+            (s.m2_cov + s.count * torch.outer(ds, ds)).reshape(-1).to(device),
+        ]
+        sum_sq, sum_4th, sum_row_ms_sq, nonfinite, saturation = sums[offset : offset + 5].to(s.device)
+        offset += 5
+        n_under = s.underflow.numel()
+        underflow = sums[offset : offset + n_under].reshape(s.underflow.shape).to(s.device)
+        offset += n_under
+        s.count, s.numel, s.sat_numel, s.light_rows = count, numel, sat_numel, light_rows
+        s.sum_sq, s.sum_4th, s.sum_row_ms_sq, s.nonfinite, s.saturation = sum_sq, sum_4th, sum_row_ms_sq, nonfinite, saturation
+        s.underflow = underflow
+    scatter = _all_reduce(torch.cat(scatter_parts), dist.ReduceOp.SUM, group)
+
+    offset = 0
+    for i, (s, mu) in enumerate(zip(copies, global_means)):
+        s.mean = mu
+        s.m2_diag = scatter[offset : offset + s.dim].to(s.device)
+        offset += s.dim
+        k = len(s.cov_index)
+        s.m2_cov = scatter[offset : offset + k * k].reshape(k, k).to(s.device)
+        offset += k * k
+        s.amax = maxima[2 * i].to(s.device)
+        s.max_rows = int(maxima[2 * i + 1])
+    return copies
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Optional[Any]) -> torch.Tensor:
+    t = t.contiguous()
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def rank_deviation(local: TensorStatistics, merged: TensorStatistics) -> Dict[str, float]:
+    """How far this rank's rows sit from the union of all ranks', in standard errors.
+
+    Rows are treated as independent samples. For a rank holding ``n`` of ``N`` rows, the standard
+    error of the difference between its mean and the global mean is ``sd * sqrt(1/n - 1/N)``.
+
+    Returns:
+        ``mean_z_max``: the largest per-feature ``|z|`` of the mean; ``mean_z_crit``: the
+        Bonferroni threshold for it at family-wise level 1e-3 over ``dim`` features;
+        ``mean_sq_z``: ``z`` of this rank's ``mean(x^2)`` against the global one.
+    """
+    out = {"mean_z_max": math.nan, "mean_z_crit": _bonferroni_z(local.dim), "mean_sq_z": math.nan}
+    n, total = local.count, merged.count  # rows behind the means
+    if 0 < n < total and total >= 3:
+        factor = 1.0 / n - 1.0 / total
+        var = merged.variance().to(local.device)
+        se = (var * factor).clamp(min=0).sqrt()
+        diff = (local.mean - merged.mean.to(local.device)).abs()
+        z = torch.where(se > 0, diff / se.clamp(min=1e-300), torch.where(diff > 0, math.inf, 0.0))
+        out["mean_z_max"] = float(z.max())
+    n, total = local.rows, merged.rows  # rows behind mean(x^2), with or without moments
+    var_ms = merged.row_mean_square_variance()
+    if 0 < n < total and total >= 3 and var_ms > 0:
+        out["mean_sq_z"] = (local.mean_square() - merged.mean_square()) / math.sqrt(var_ms * (1.0 / n - 1.0 / total))
+    return out
+
+
+def _bonferroni_z(dim: int, alpha: float = 1e-3) -> float:
+    return float(torch.special.ndtri(torch.tensor(1.0 - alpha / (2.0 * dim), dtype=torch.float64)))

@@ -1,0 +1,324 @@
+"""FP8 error of each candidate kernel on draws from a layer's learned distributions.
+
+For a linear layer with input statistics ``act`` (over ``in_features``), output-gradient
+statistics ``grad`` (over ``out_features``) and weight ``W`` ``(out, in)``, one draw of each GEMM
+(operand layout as in :mod:`loka_torchrec.evidence`) is:
+
+=========  ==================  ==================
+role       A                   B
+=========  ==================  ==================
+``fwd``    ``x (r, in)``       ``W (out, in)``
+``dgrad``  ``dy (r, out)``     ``W^T (in, out)``
+``wgrad``  ``dy^T (out, r)``   ``x^T (in, r)``
+=========  ==================  ==================
+
+with ``x ~ N(mu_x, Sigma_x)`` and ``dy ~ N(mu_dy, Sigma_dy)`` drawn independently (the model
+keeps no cross-covariance between a layer's inputs and its output gradients) and ``r`` rows (the
+rows the layer saw per call, capped). Three measurements are taken for every candidate:
+
+* ``gaussian``: K draws of the operands, the *actual* weight: the number Dispatch sees by default;
+* ``weight_model``: the same with ``W`` drawn from the Kronecker weight model as well (``fwd``
+  and ``dgrad``), which shows how much the weight's structure matters;
+* ``captured``: the real rows of the reservoir (real ``(x, dy)`` pairs), in chunks of rows,
+  which shows how far the Gaussian model is from the data (heavy tails, outlier features).
+
+Each draw's output is compared with a high-precision reference of the same operands (float64
+on the CPU, float32 with TF32 off on CUDA) by MERE and SQNR; the draws' mean comes with a
+Student-t 95% interval (:func:`~loka_torchrec.probe.intervals.t_interval`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import zlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from loka_torchrec.dispatch.backends import get_backend
+from loka_torchrec.dispatch.recipes import GemmRecipe, recipe_for
+from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
+from loka_torchrec.fp8 import mere, sqnr_db
+from loka_torchrec.probe.intervals import t_interval
+from loka_torchrec.probe.reservoir import RowReservoir
+from loka_torchrec.probe.sampling import GaussianModel, make_generator
+from loka_torchrec.probe.statistics import TensorStatistics
+from loka_torchrec.probe.weight_statistics import WeightStatistics
+
+__all__ = ["CandidateError", "LayerSnapshot", "quantify_errors", "reference_gemm", "recipe_or_none", "draw_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateError:
+    """The error measurements of one candidate for one GEMM of one layer.
+
+    Attributes:
+        gaussian, gaussian_sqnr: MERE and SQNR (dB) on Gaussian draws with the actual weight.
+        weight_model: MERE with the weight drawn from the weight model too (``None`` for wgrad
+            or when there is no weight model).
+        captured, captured_sqnr: MERE and SQNR on the reservoir's real rows (``None`` when the
+            reservoir holds fewer than two rows for the role).
+        note: why a measurement is missing, or ``"unavailable: ..."`` when the candidate cannot run.
+    """
+
+    gaussian: Interval
+    gaussian_sqnr: Interval
+    weight_model: Optional[Interval] = None
+    captured: Optional[Interval] = None
+    captured_sqnr: Optional[Interval] = None
+    note: str = ""
+
+    @property
+    def available(self) -> bool:
+        return not self.note.startswith("unavailable")
+
+    @classmethod
+    def unavailable(cls, reason: str) -> "CandidateError":
+        inf = Interval(float("inf"), float("inf"), float("inf"), 0, "none")
+        return cls(gaussian=inf, gaussian_sqnr=Interval(float("-inf"), float("-inf"), float("-inf"), 0, "none"), note=f"unavailable: {reason}")
+
+    def to_dict(self) -> Dict[str, object]:
+        out: Dict[str, object] = {"gaussian": self.gaussian.to_dict(), "gaussian_sqnr_db": self.gaussian_sqnr.to_dict()}
+        for name in ("weight_model", "captured", "captured_sqnr"):
+            value = getattr(self, name)
+            out[name if name != "captured_sqnr" else "captured_sqnr_db"] = value.to_dict() if value else None
+        out["note"] = self.note
+        return out
+
+
+@dataclasses.dataclass
+class LayerSnapshot:
+    """What error quantification needs to know about one layer.
+
+    Attributes:
+        name: the layer's FQN.
+        weight: the actual weight ``(out_features, in_features)``.
+        act: statistics of the layer's input rows.
+        grad: statistics of its output-gradient rows (``None`` or empty: no backward seen).
+        weight_stats: the weight model, if any.
+        reservoir: captured real rows, if any.
+        rows: rows per call (the GEMM's ``M`` in the forward pass).
+    """
+
+    name: str
+    weight: torch.Tensor
+    act: TensorStatistics
+    grad: Optional[TensorStatistics]
+    weight_stats: Optional[WeightStatistics]
+    reservoir: Optional[RowReservoir]
+    rows: int
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def has_grad(self) -> bool:
+        return self.grad is not None and not self.grad.is_empty
+
+
+def recipe_or_none(choice: KernelChoice, role: GemmRole) -> Optional[GemmRecipe]:
+    """The recipe a candidate runs with for ``role`` (``None`` for the high-precision baseline)."""
+    return None if choice.is_high_precision else recipe_for(choice.recipe, role)
+
+
+def candidate_problem(choice: KernelChoice, role: GemmRole, shape: GemmShape, device: torch.device) -> Optional[str]:
+    """``None`` when ``choice`` can run ``role`` at ``shape`` on ``device``, else the reason."""
+    try:
+        backend = get_backend(choice.backend)
+        if choice.is_high_precision:
+            available = backend.availability(device)
+            return None if available.ok else available.reason
+        return backend.check(recipe_or_none(choice, role), shape, device)
+    except ValueError as exc:
+        return str(exc)
+
+
+@contextlib.contextmanager
+def _no_tf32() -> Iterator[None]:
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def reference_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """High-precision ``A (M, K) @ B (N, K)^T``: float64 on the CPU, float32 without TF32 on CUDA."""
+    if a.is_cuda:
+        with _no_tf32():
+            return a.float() @ b.float().t()
+    return a.double() @ b.double().t()
+
+
+def draw_rows(rows: int, cap: Optional[int]) -> int:
+    """Rows per draw: the layer's rows per call, capped, kept a multiple of 16 when above 16."""
+    r = rows if cap is None else min(rows, cap)
+    return r - r % 16 if r > 16 else max(r, 1)
+
+
+def _seed(name: str, role: GemmRole, seed: int, kind: str) -> int:
+    return zlib.crc32(f"{name}|{role.value}|{kind}".encode()) + 1_000_003 * seed
+
+
+def _gaussian_operands(
+    snap: LayerSnapshot, role: GemmRole, rows: int, samples: int, seed: int, device: torch.device, sample_dtype: torch.dtype, weight_model: bool
+) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    x_model = GaussianModel.from_statistics(snap.act, dtype=sample_dtype)
+    dy_model = GaussianModel.from_statistics(snap.grad, dtype=sample_dtype) if role != GemmRole.FORWARD else None
+    run_seed = _seed(snap.name, role, seed, "wm" if weight_model else "g")
+    gen = make_generator(x_model.mean.device, run_seed)
+    w = snap.weight.detach()
+    if weight_model:
+        factor_device = snap.weight_stats.row_factor.device
+        w_gen = gen if factor_device == gen.device else make_generator(factor_device, run_seed + 1)
+    for _ in range(samples):
+        if weight_model:
+            w = snap.weight_stats.sample(w_gen).to(device)
+        if role == GemmRole.FORWARD:
+            yield x_model.sample(rows, gen), w
+        elif role == GemmRole.GRAD_INPUT:
+            yield dy_model.sample(rows, gen), w.t()
+        else:
+            dy = dy_model.sample(rows, gen)
+            x = x_model.sample(rows, gen)
+            yield dy.t(), x.t()
+
+
+def _captured_operands(snap: LayerSnapshot, role: GemmRole, rows: int, samples: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    if snap.reservoir is None:
+        return []
+    if role == GemmRole.FORWARD:
+        x, dy = snap.reservoir.input_rows(), None
+    else:
+        x, dy = snap.reservoir.pairs()
+    n = x.shape[0]
+    if n < 2:
+        return []
+    chunk = max(1, min(rows, n // 4))  # at least 4 chunks when the reservoir allows, for an interval
+    count = min(samples, n // chunk)
+    w = snap.weight.detach()
+    out = []
+    for i in range(count):
+        xs = x[i * chunk : (i + 1) * chunk]
+        if role == GemmRole.FORWARD:
+            out.append((xs, w))
+        else:
+            ds = dy[i * chunk : (i + 1) * chunk]
+            out.append((ds, w.t()) if role == GemmRole.GRAD_INPUT else (ds.t(), xs.t()))
+    return out
+
+
+def _measure(
+    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], choices: Sequence[KernelChoice], role: GemmRole, dtype: torch.dtype
+) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
+    meres: Dict[KernelChoice, List[float]] = {c: [] for c in choices}
+    sqnrs: Dict[KernelChoice, List[float]] = {c: [] for c in choices}
+    failures: Dict[KernelChoice, str] = {}
+    recipes = {c: recipe_or_none(c, role) for c in choices}
+    for a, b in operands:
+        # The candidate sees the operands in the model's dtype, as in training; the reference
+        # multiplies the same rounded values, so only the GEMM's own error is measured.
+        a_in = a.to(dtype).contiguous()
+        b_in = b.to(dtype).contiguous()
+        ref = reference_gemm(a_in, b_in)
+        for c in choices:
+            if c in failures:
+                continue
+            try:
+                out = get_backend(c.backend).gemm(a_in, b_in, recipes[c], dtype)
+            except Exception as exc:  # a kernel that fails at this shape is an unavailable candidate, with its reason
+                failures[c] = f"{type(exc).__name__}: {exc}"
+                continue
+            meres[c].append(mere(out, ref))
+            sqnrs[c].append(sqnr_db(out, ref))
+    return meres, sqnrs, failures
+
+
+def _nonnegative(iv: Interval) -> Interval:
+    """A MERE interval clipped at zero (the mean of nonnegative values cannot be negative)."""
+    return dataclasses.replace(iv, low=max(iv.low, 0.0)) if iv.low < 0 else iv
+
+
+def quantify_errors(
+    snap: LayerSnapshot,
+    candidates: Dict[GemmRole, Sequence[KernelChoice]],
+    *,
+    samples: int,
+    max_rows: Optional[int] = None,
+    seed: int = 0,
+    dtype: Optional[torch.dtype] = None,
+) -> Dict[Tuple[GemmRole, KernelChoice], CandidateError]:
+    """MERE and SQNR of every candidate for every role of one layer (see the module docstring).
+
+    Args:
+        snap: the layer's statistics, weight and reservoir.
+        candidates: the kernels to evaluate per role.
+        samples: K, Gaussian draws per role.
+        max_rows: cap on the rows per draw.
+        seed: base seed of the draws (the same seed gives the same draws).
+        dtype: the dtype the candidates receive their operands in (default: the weight's).
+
+    Returns:
+        ``{(role, candidate): CandidateError}``; roles without gradient statistics get an
+        unavailable entry that says so.
+    """
+    if samples < 2:
+        raise ValueError(f"samples: expected at least 2 draws, got {samples}")
+    if snap.act.is_empty:
+        raise ValueError(f"{snap.name}: no input rows were seen; cannot quantify errors")
+    device = snap.weight.device
+    dtype = dtype or snap.weight.dtype
+    sample_dtype = torch.float32 if device.type == "cuda" else torch.float64
+    rows = draw_rows(snap.rows, max_rows)
+    results: Dict[Tuple[GemmRole, KernelChoice], CandidateError] = {}
+    for role, choices in candidates.items():
+        role = GemmRole(role)
+        choices = list(dict.fromkeys(choices))
+        if role != GemmRole.FORWARD and not snap.has_grad:
+            for c in choices:
+                results[(role, c)] = CandidateError.unavailable("no output gradients were seen (no backward pass at probe steps)")
+            continue
+        shape = GemmShape.for_role(role, rows, snap.in_features, snap.out_features)
+        runnable = []
+        for c in choices:
+            problem = candidate_problem(c, role, shape, device)
+            if problem:
+                results[(role, c)] = CandidateError.unavailable(problem)
+            else:
+                runnable.append(c)
+        if not runnable:
+            continue
+        g_mere, g_sqnr, failures = _measure(
+            _gaussian_operands(snap, role, rows, samples, seed, device, sample_dtype, weight_model=False), runnable, role, dtype
+        )
+        wm_mere: Dict[KernelChoice, List[float]] = {}
+        if role != GemmRole.GRAD_WEIGHT and snap.weight_stats is not None and snap.weight_stats.updates:
+            wm_mere, _, _ = _measure(
+                _gaussian_operands(snap, role, rows, samples, seed, device, sample_dtype, weight_model=True), runnable, role, dtype
+            )
+        c_mere, c_sqnr, _ = _measure(iter(_captured_operands(snap, role, rows, samples)), runnable, role, dtype)
+        for c in runnable:
+            if c in failures:
+                results[(role, c)] = CandidateError.unavailable(failures[c])
+                continue
+            notes = []
+            captured = _nonnegative(t_interval(c_mere[c])) if c_mere.get(c) else None
+            if captured is None:
+                notes.append("captured: too few reservoir rows")
+            results[(role, c)] = CandidateError(
+                gaussian=_nonnegative(t_interval(g_mere[c])),
+                gaussian_sqnr=t_interval(g_sqnr[c]),
+                weight_model=_nonnegative(t_interval(wm_mere[c])) if wm_mere.get(c) else None,
+                captured=captured,
+                captured_sqnr=t_interval(c_sqnr[c]) if c_sqnr.get(c) else None,
+                note="; ".join(notes),
+            )
+    return results

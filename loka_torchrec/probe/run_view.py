@@ -1,0 +1,257 @@
+"""Read a run directory's Probe logs (and Dispatch plan) into one per-layer view, for ``loka-inspect``.
+
+Sources, in order of preference:
+
+* ``RUN_DIR/probe/summary.json`` (rank 0's merged view), unless a rank is asked for;
+* ``RUN_DIR/probe/rank{r}.jsonl`` (rank ``r``'s records; its *local* statistics when ``--rank r``
+  is given, the merged ones otherwise), when the summary is missing or unreadable;
+* ``RUN_DIR/dispatch_plan.json`` for the decisions: ``{"layers": {fqn: {"roles": {"fwd":
+  {"choice": "scaled_mm:rowwise", "reason": "..."}}}}}``; optional ``"policy"`` (or ``"gates"``)
+  with ``max_error`` and ``min_speedup`` fixes the gates drawn and used to pick the best candidate.
+
+Problems a user can meet are :class:`RunDirError` with a one-line message (missing, empty,
+corrupted directory); recoverable ones (a truncated line, a missing summary) become warnings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from loka_torchrec.probe.logs import rank_log_paths, read_rank_log, read_summary
+
+__all__ = ["RunDirError", "RunView", "load_run", "best_candidate", "rank_comparison", "DEFAULT_MAX_ERROR", "DEFAULT_MIN_SPEEDUP"]
+
+DEFAULT_MAX_ERROR = 0.2
+DEFAULT_MIN_SPEEDUP = 1.05
+ROLES = ("fwd", "dgrad", "wgrad")
+
+
+class RunDirError(Exception):
+    """A run directory ``loka-inspect`` cannot show (the message is one line for the user)."""
+
+
+@dataclasses.dataclass
+class RunView:
+    """Everything ``loka-inspect`` shows, built from a run directory.
+
+    Attributes:
+        run_dir: the directory.
+        source: where the per-layer view came from (``"summary.json"`` or ``"rank{r}.jsonl"``).
+        layers: ``{fqn: layer dict}`` with ``shape``, ``state``, ``reason``, ``stats``
+            (``act``/``grad`` digests), ``weight``, ``history`` and ``evidence``.
+        ranks: ``{rank: records}`` of every readable rank log.
+        plan: the Dispatch plan (``{}`` when absent).
+        max_error, min_speedup: the gates.
+        warnings: recoverable problems met while reading.
+    """
+
+    run_dir: Path
+    source: str
+    layers: Dict[str, Dict[str, Any]]
+    ranks: Dict[int, List[Dict[str, Any]]]
+    plan: Dict[str, Any]
+    max_error: float
+    min_speedup: float
+    warnings: List[str]
+
+    def filtered(self, pattern: Optional[str]) -> Dict[str, Dict[str, Any]]:
+        """Layers whose FQN matches the glob ``pattern`` (all when ``None``)."""
+        if not pattern:
+            return self.layers
+        return {k: v for k, v in self.layers.items() if fnmatch.fnmatchcase(k, pattern)}
+
+    def decision(self, layer: str, role: str) -> Tuple[str, str]:
+        """``(choice, reason)`` for a layer's role: from the plan, else from the Probe's state."""
+        entry = ((self.plan.get("layers") or {}).get(layer) or {}).get("roles", {}).get(role)
+        planned = str(entry["choice"]) if isinstance(entry, dict) and entry.get("choice") else ""
+        state = self.layers.get(layer, {})
+        if state.get("state") == "fallback":  # the safety valve overrides the plan until readmission
+            return "bf16 (fallback" + (f"; planned {planned})" if planned else ")"), str(state.get("reason", ""))
+        if planned:
+            return planned, str(entry.get("reason", ""))
+        return "-", "no dispatch_plan.json" if not self.plan else "not in dispatch_plan.json"
+
+
+def _float(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _load_plan(run_dir: Path, problems: List[str]) -> Dict[str, Any]:
+    path = run_dir / "dispatch_plan.json"
+    if not path.exists():
+        return {}
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(plan, dict):
+            raise ValueError("not a JSON object")
+        return plan
+    except ValueError as exc:
+        problems.append(f"dispatch_plan.json is unreadable ({exc}); decisions are not shown")
+        return {}
+
+
+def _gates(plan: Dict[str, Any], max_error: Optional[float], min_speedup: Optional[float]) -> Tuple[float, float]:
+    policy = plan.get("policy") or plan.get("gates") or {}
+    if not isinstance(policy, dict):
+        policy = {}
+    err = max_error if max_error is not None else _float(policy.get("max_error", DEFAULT_MAX_ERROR))
+    spd = min_speedup if min_speedup is not None else _float(policy.get("min_speedup", DEFAULT_MIN_SPEEDUP))
+    return (err if math.isfinite(err) else DEFAULT_MAX_ERROR), (spd if math.isfinite(spd) else DEFAULT_MIN_SPEEDUP)
+
+
+def _layers_from_summary(summary: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    out = {}
+    for name, entry in (summary.get("layers") or {}).items():
+        out[name] = {
+            "shape": entry.get("shape", {}),
+            "state": entry.get("state", ""),
+            "reason": entry.get("reason", ""),
+            "stats": entry.get("latest_stats") or {},
+            "weight": entry.get("weight") or {},
+            "history": entry.get("history") or [],
+            "evidence": [e for e in entry.get("evidence") or [] if isinstance(e, dict) and "candidate" in e],
+            "events": entry.get("events") or [],
+        }
+    return out
+
+
+def _layers_from_records(records: List[Dict[str, Any]], *, local: bool) -> Dict[str, Dict[str, Any]]:
+    key = "local" if local else "merged"
+    out: Dict[str, Dict[str, Any]] = {}
+    for rec in sorted(records, key=lambda r: (_float(r.get("step")), str(r.get("layer")))):
+        name = rec.get("layer")
+        if not isinstance(name, str):
+            continue
+        entry = out.setdefault(name, {"shape": {}, "state": "", "reason": "", "stats": {}, "weight": {}, "history": [], "evidence": [], "events": []})
+        entry["shape"] = rec.get("shape") or entry["shape"]
+        entry["state"] = rec.get("state", entry["state"])
+        entry["reason"] = (rec.get("decision") or {}).get("reason", entry["reason"])
+        stats = rec.get("stats") or {}
+        if stats:
+            act = (stats.get("act") or {}).get(key) or {}
+            grad = (stats.get("grad") or {}).get(key) or {}
+            entry["stats"] = {"act": act, "grad": grad}
+            entry["weight"] = stats.get("weight") or {}
+            entry["history"].append(
+                {
+                    "step": rec.get("step"),
+                    "act_amax": act.get("amax"),
+                    "act_kurtosis": act.get("kurtosis"),
+                    "grad_amax": grad.get("amax"),
+                    "grad_kurtosis": grad.get("kurtosis"),
+                    "weight_amax": (stats.get("weight") or {}).get("amax"),
+                }
+            )
+        if rec.get("evidence"):
+            entry["evidence"] = [e for e in rec["evidence"] if isinstance(e, dict) and "candidate" in e]
+        if rec.get("event") in ("fallback", "readmit"):
+            entry["events"].append({"step": rec.get("step"), "event": rec["event"], "reason": (rec.get("decision") or {}).get("reason", "")})
+    return out
+
+
+def load_run(run_dir: "str | Path", *, rank: Optional[int] = None, max_error: Optional[float] = None, min_speedup: Optional[float] = None) -> RunView:
+    """Build the :class:`RunView` of ``run_dir`` (see the module docstring).
+
+    Raises:
+        RunDirError: the directory is missing, has no probe logs, or none of them can be read.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise RunDirError(f"no such run directory: {run_dir}")
+    if not run_dir.is_dir():
+        raise RunDirError(f"not a directory: {run_dir}")
+    probe_dir = run_dir / "probe"
+    if not probe_dir.is_dir():
+        raise RunDirError(f"{run_dir} has no probe/ directory: was the Probe enabled (loka.probe.enabled=true)?")
+    problems: List[str] = []
+    paths = rank_log_paths(probe_dir)
+    ranks: Dict[int, List[Dict[str, Any]]] = {}
+    for r, path in paths.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # collected in `problems` instead
+            records, bad = read_rank_log(path)
+        problems += bad
+        ranks[r] = records
+    summary, summary_problem = read_summary(probe_dir / "summary.json")
+    if summary is None and not paths:
+        raise RunDirError(f"{probe_dir} is empty: the run has not finished its first probe step")
+    plan = _load_plan(run_dir, problems)
+    err_gate, spd_gate = _gates(plan, max_error, min_speedup)
+    if rank is not None:
+        if rank not in ranks:
+            have = ", ".join(str(r) for r in ranks) or "none"
+            raise RunDirError(f"no log for rank {rank} in {probe_dir} (ranks with logs: {have})")
+        if not ranks[rank]:
+            raise RunDirError(f"rank{rank}.jsonl has no readable record (empty or corrupted)")
+        layers, source = _layers_from_records(ranks[rank], local=True), f"rank{rank}.jsonl"
+    elif summary is not None:
+        layers, source = _layers_from_summary(summary), "summary.json"
+    else:
+        readable = [r for r, recs in ranks.items() if recs]
+        if not readable:
+            raise RunDirError(f"no readable probe record in {probe_dir}: {summary_problem}, and every rank log is empty or corrupted")
+        first = readable[0]
+        problems.append(f"{summary_problem}: the run is partial or was killed; showing merged statistics from rank{first}.jsonl")
+        layers, source = _layers_from_records(ranks[first], local=False), f"rank{first}.jsonl"
+    if not layers:
+        raise RunDirError(f"no layer records in {probe_dir / source}")
+    return RunView(run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems)
+
+
+def best_candidate(evidence: List[Dict[str, Any]], role: str, max_error: float, min_speedup: float) -> Optional[Dict[str, Any]]:
+    """The role's fastest FP8 candidate within both gates, else its most accurate FP8 candidate.
+
+    The returned dict is the evidence record plus ``passes`` (bool).
+    """
+    fp8 = [e for e in evidence if e.get("role") == role and not str(e.get("candidate", "")).startswith("bf16:")]
+    usable = [e for e in fp8 if math.isfinite(_float((e.get("error") or {}).get("value")))]
+    if not usable:
+        return None
+
+    def speedup(e: Dict[str, Any]) -> float:
+        t = _float((e.get("time_ms") or {}).get("value"))
+        b = _float((e.get("baseline_time_ms") or {}).get("value"))
+        return b / t if t > 0 and math.isfinite(t) else 0.0
+
+    passing = [e for e in usable if _float(e["error"]["value"]) < max_error and speedup(e) > min_speedup]
+    if passing:
+        best = max(passing, key=speedup)
+        return {**best, "passes": True, "speedup": speedup(best)}
+    best = min(usable, key=lambda e: _float(e["error"]["value"]))
+    return {**best, "passes": False, "speedup": speedup(best)}
+
+
+def rank_comparison(ranks: Dict[int, List[Dict[str, Any]]], *, z_threshold: float = 5.0) -> List[Dict[str, Any]]:
+    """Per rank: records, last step, and the layers whose local statistics disagree with the merged ones.
+
+    A (rank, layer, step) disagrees when the largest per-feature z of the rank's input or
+    gradient mean exceeds its Bonferroni threshold (``mean_z_crit``, family-wise 1e-3), or when
+    the z of its ``mean(x^2)`` exceeds ``z_threshold``.
+    """
+    rows = []
+    for r, records in sorted(ranks.items()):
+        flagged: Dict[str, int] = {}
+        worst = 0.0
+        last_step = None
+        for rec in records:
+            if "stats" not in rec:
+                continue
+            last_step = rec.get("step") if last_step is None else max(last_step, rec.get("step", last_step))
+            for tensor in ("act", "grad"):
+                dev = ((rec["stats"].get(tensor) or {}).get("rank_deviation")) or {}
+                z_mean, crit, z_ms = _float(dev.get("mean_z_max")), _float(dev.get("mean_z_crit")), _float(dev.get("mean_sq_z"))
+                ratio = max(z_mean / crit if crit > 0 and math.isfinite(z_mean) else 0.0, abs(z_ms) / z_threshold if math.isfinite(z_ms) else 0.0)
+                worst = max(worst, ratio)
+                if ratio > 1.0:
+                    flagged[str(rec.get("layer"))] = flagged.get(str(rec.get("layer")), 0) + 1
+        rows.append({"rank": r, "records": len(records), "last_step": last_step, "flagged_layers": flagged, "worst_ratio": worst})
+    return rows

@@ -1,0 +1,339 @@
+"""Running statistics of a GEMM operand (activations or output gradients), batch rows as samples.
+
+:class:`TensorStatistics` keeps *sufficient statistics* of every row it has seen, in float64:
+
+* ``count`` rows, ``mean`` ``(d,)`` and the scatter (sum of centred outer products) ``m2_cov``
+  ``(s, s)`` over ``cov_index`` (all ``d`` features, or a fixed random subset of ``s`` of them
+  when ``d > max_cov_dim``), plus the per-feature scatter ``m2_diag`` ``(d,)``;
+* ``sum_sq`` and ``sum_4th``: sums of ``x**2`` and ``x**4`` over elements, for the uncentred
+  kurtosis ``mean(x^4) / mean(x^2)^2`` (3 for a zero-mean Gaussian, large for outlier-heavy data);
+* ``sum_row_ms_sq``: sum over rows of the squared row mean-square (the noise of ``mean(x^2)``,
+  used to compare ranks);
+* ``amax`` of the finite elements and the count of non-finite ones;
+* per FP8 format and scaling granularity, the count of nonzero elements that would underflow to
+  zero when the scale comes from the current amax (of the whole call for tensorwise, of the row
+  for rowwise); and the count of elements that a *delayed* tensorwise scale (from the amax
+  history of earlier probe steps) would saturate. A scale from the current amax never
+  saturates, and ``fp8_max / amax`` saturates the same elements in every format, so saturation
+  is one number.
+
+Rows are folded in with the batched Welford update of Chan, Golub and LeVeque: a batch's own mean
+and scatter are computed around the batch mean and combined with the running ones through the
+difference of the means, so no large raw second moment is ever formed (no cancellation). Two
+instances merge the same way (:meth:`TensorStatistics.merge`), which is also how ranks merge
+(:mod:`loka_torchrec.probe.merge`).
+
+``update(x, moments=False)`` skips the mean and covariance (the costly part, ``rows * d^2``) and
+keeps everything else: monitoring after the warm-up window needs amax, kurtosis and the
+fractions only. Such rows count in ``light_rows``, not in ``count``.
+
+Non-finite elements are counted and replaced by zero before the moments are updated: a window
+that holds any is untrusted (the safety valve trips on it), but the running moments stay finite.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from loka_torchrec.fp8 import Fp8Format
+
+__all__ = ["TensorStatistics", "PROBE_FORMATS", "PROBE_GRANULARITIES", "covariance_subset"]
+
+PROBE_FORMATS: Tuple[Fp8Format, ...] = (Fp8Format.E4M3, Fp8Format.E5M2)
+"""Formats whose underflow and saturation fractions are tracked."""
+
+PROBE_GRANULARITIES: Tuple[str, ...] = ("tensorwise", "rowwise")
+"""Scaling granularities whose underflow fractions are tracked."""
+
+_CHUNK_ELEMENTS = 1 << 22  # float64 rows are processed in chunks of at most this many elements (32 MiB)
+
+
+def covariance_subset(dim: int, max_cov_dim: int, key: str, seed: int = 0) -> torch.Tensor:
+    """The sorted feature indices that keep full covariance: all of them, or a fixed random subset.
+
+    The subset depends only on ``(dim, max_cov_dim, key, seed)``, so every rank picks the same one.
+
+    Example::
+
+        >>> covariance_subset(4, 8, "layer").tolist()
+        [0, 1, 2, 3]
+        >>> len(covariance_subset(4096, 256, "layer"))
+        256
+    """
+    if dim <= max_cov_dim:
+        return torch.arange(dim)
+    gen = torch.Generator().manual_seed((zlib.crc32(key.encode()) + 7919 * seed) % (2**63))
+    return torch.randperm(dim, generator=gen)[:max_cov_dim].sort().values
+
+
+class TensorStatistics:
+    """Sufficient statistics of the rows of a ``(rows, dim)`` operand (see the module docstring).
+
+    Args:
+        dim: feature dimension ``d`` (the GEMM's ``K`` for activations in the forward pass).
+        max_cov_dim: keep full covariance for at most this many features.
+        key: a stable name (the layer FQN and tensor) that seeds the covariance subset.
+        seed: extra seed for the covariance subset.
+
+    Example::
+
+        >>> s = TensorStatistics(3)
+        >>> s.update(torch.tensor([[1.0, 0.0, 2.0], [3.0, 0.0, -2.0]]))
+        >>> s.count, s.mean.tolist()
+        (2, [2.0, 0.0, 0.0])
+        >>> s.covariance().diagonal().tolist()
+        [2.0, 0.0, 8.0]
+    """
+
+    def __init__(self, dim: int, *, max_cov_dim: int = 1024, key: str = "", seed: int = 0) -> None:
+        if not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim: expected a positive int, got {dim!r}")
+        self.dim = dim
+        self.cov_index: torch.Tensor = covariance_subset(dim, max_cov_dim, key, seed)
+        self.count: int = 0  # rows folded into mean and covariance: known on the host without a device sync
+        self.light_rows: int = 0  # rows seen with moments=False (power sums and fractions only)
+        self.numel: int = 0  # elements
+        self.max_rows: int = 0  # most rows in one call (the GEMM's M)
+        self.sat_numel: int = 0  # elements checked for delayed-scaling saturation
+        self._device = torch.device("cpu")
+        self._alloc(self._device)
+
+    # ------------------------------------------------------------------------------ storage
+    def _alloc(self, device: torch.device) -> None:
+        f64 = dict(dtype=torch.float64, device=device)
+        s = len(self.cov_index)
+        self.mean = torch.zeros(self.dim, **f64)
+        self.m2_diag = torch.zeros(self.dim, **f64)
+        self.m2_cov = torch.zeros(s, s, **f64)
+        self.sum_sq = torch.zeros((), **f64)
+        self.sum_4th = torch.zeros((), **f64)
+        self.sum_row_ms_sq = torch.zeros((), **f64)
+        self.amax = torch.zeros((), **f64)
+        self.nonfinite = torch.zeros((), **f64)
+        self.underflow = torch.zeros(len(PROBE_FORMATS), len(PROBE_GRANULARITIES), **f64)
+        self.saturation = torch.zeros((), **f64)
+
+    _TENSORS = ("mean", "m2_diag", "m2_cov", "sum_sq", "sum_4th", "sum_row_ms_sq", "amax", "nonfinite", "underflow", "saturation")
+    _COUNTS = ("count", "light_rows", "numel", "max_rows", "sat_numel")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_full_covariance(self) -> bool:
+        return len(self.cov_index) == self.dim
+
+    @property
+    def is_empty(self) -> bool:
+        """No row has been folded into the mean and covariance."""
+        return self.count == 0
+
+    @property
+    def rows(self) -> int:
+        """Every row seen, with or without moments."""
+        return self.count + self.light_rows
+
+    def to(self, device: "torch.device | str") -> "TensorStatistics":
+        """Move the tensors to ``device`` (in place); returns ``self``."""
+        device = torch.device(device)
+        for name in self._TENSORS:
+            setattr(self, name, getattr(self, name).to(device))
+        self._device = device
+        return self
+
+    def empty_like(self) -> "TensorStatistics":
+        """A fresh, empty instance with the same dim and covariance subset, on the same device."""
+        out = TensorStatistics.__new__(TensorStatistics)
+        out.dim, out.cov_index = self.dim, self.cov_index
+        out.count = out.light_rows = out.numel = out.max_rows = out.sat_numel = 0
+        out._device = self._device
+        out._alloc(self._device)
+        return out
+
+    def clone(self) -> "TensorStatistics":
+        out = self.empty_like()
+        for name in self._TENSORS:
+            setattr(out, name, getattr(self, name).clone())
+        for name in self._COUNTS:
+            setattr(out, name, getattr(self, name))
+        return out
+
+    # ------------------------------------------------------------------------------ updates
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, *, delayed_amax: Optional[float] = None, moments: bool = True) -> None:
+        """Fold the rows of ``x`` in.
+
+        Args:
+            x: ``(..., dim)`` tensor; all leading dims are rows. Any float dtype, any device.
+            delayed_amax: amax that a delayed tensorwise scale would use for this call (e.g.
+                the largest amax of earlier probe steps); when given, the elements beyond
+                ``fp8_max`` under that scale are counted as saturated.
+            moments: fold the rows into the mean and covariance (``False``: amax, power sums
+                and fractions only).
+        """
+        if not torch.is_tensor(x) or not x.is_floating_point():
+            raise TypeError(f"x: expected a floating point tensor, got {type(x).__name__ if not torch.is_tensor(x) else x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected a (..., {self.dim}) tensor, got shape {tuple(x.shape)}")
+        x = x.detach().reshape(-1, self.dim)
+        rows = x.shape[0]
+        if rows == 0:
+            return
+        if x.device != self._device:
+            self.to(x.device)
+        finite = torch.isfinite(x)
+        self.nonfinite += (~finite).sum()
+        x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        absx = x.abs()
+        amax_call = absx.amax().double()
+        self.amax = torch.maximum(self.amax, amax_call)
+        self._count_underflow(absx, amax_call)
+        if delayed_amax is not None and delayed_amax > 0:
+            # |x| * (fp8_max / delayed_amax) > fp8_max  <=>  |x| > delayed_amax, for every format.
+            self.saturation += (absx > delayed_amax).sum()
+            self.sat_numel += x.numel()
+        self.max_rows = max(self.max_rows, rows)
+        chunk = max(1, _CHUNK_ELEMENTS // self.dim)
+        for start in range(0, rows, chunk):
+            xb = x[start : start + chunk].double()
+            self._update_power_sums(xb)
+            if moments:
+                self._update_moments(xb)
+        if not moments:
+            self.light_rows += rows
+
+    def _count_underflow(self, absx: torch.Tensor, amax_call: torch.Tensor) -> None:
+        absx = absx.float()  # float32 holds every threshold below (amax * 2**-25 at the least) exactly enough
+        nonzero = absx > 0
+        thresholds = {"tensorwise": amax_call.float(), "rowwise": absx.amax(dim=1, keepdim=True)}
+        for i, fmt in enumerate(PROBE_FORMATS):
+            # With scale fp8_max / amax, |x| rounds to zero when |x| * scale <= smallest_subnormal / 2,
+            # i.e. when |x| <= amax * smallest_subnormal / (2 * fp8_max).
+            ratio = fmt.smallest_subnormal / (2.0 * fmt.max)
+            for j, gran in enumerate(PROBE_GRANULARITIES):
+                self.underflow[i, j] += ((absx <= thresholds[gran] * ratio) & nonzero).sum()
+
+    def _update_power_sums(self, xb: torch.Tensor) -> None:
+        sq = xb * xb
+        self.sum_sq += sq.sum()
+        self.sum_4th += (sq * sq).sum()
+        self.sum_row_ms_sq += (sq.mean(dim=1) ** 2).sum()
+        self.numel += xb.numel()
+
+    def _update_moments(self, xb: torch.Tensor) -> None:
+        nb = xb.shape[0]
+        mean_b = xb.mean(dim=0)
+        xc = xb - mean_b
+        m2_diag_b = (xc * xc).sum(dim=0)
+        xs = xc if self.is_full_covariance else xc[:, self.cov_index.to(xc.device)]
+        m2_cov_b = xs.t() @ xs
+        self._combine(nb, mean_b, m2_diag_b, m2_cov_b)
+
+    def _combine(self, nb: int, mean_b: torch.Tensor, m2_diag_b: torch.Tensor, m2_cov_b: torch.Tensor) -> None:
+        """Chan et al.: merge a group of ``nb`` rows with mean ``mean_b`` and scatter ``m2_*_b``."""
+        na = self.count
+        n = na + nb
+        if nb == 0:
+            return
+        delta = mean_b - self.mean
+        weight = na * nb / n
+        self.mean = self.mean + delta * (nb / n)
+        self.m2_diag = self.m2_diag + m2_diag_b + delta * delta * weight
+        ds = delta if self.is_full_covariance else delta[self.cov_index.to(delta.device)]
+        self.m2_cov = self.m2_cov + m2_cov_b + torch.outer(ds, ds) * weight
+        self.count = n
+
+    def merge(self, other: "TensorStatistics") -> "TensorStatistics":
+        """Fold ``other`` (same dim and covariance subset) into ``self``, exactly; returns ``self``."""
+        if other.dim != self.dim or not torch.equal(other.cov_index, self.cov_index):
+            raise ValueError(
+                f"other: expected statistics of dim {self.dim} with the same covariance subset, got dim {other.dim}"
+            )
+        if other.device != self.device:
+            other = other.clone().to(self.device)
+        self._combine(other.count, other.mean, other.m2_diag, other.m2_cov)
+        for name in ("sum_sq", "sum_4th", "sum_row_ms_sq", "nonfinite", "underflow", "saturation"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.amax = torch.maximum(self.amax, other.amax)
+        self.numel += other.numel
+        self.light_rows += other.light_rows
+        self.sat_numel += other.sat_numel
+        self.max_rows = max(self.max_rows, other.max_rows)
+        return self
+
+    # ------------------------------------------------------------------------------ estimates
+    def covariance(self) -> torch.Tensor:
+        """Unbiased covariance ``(s, s)`` over :attr:`cov_index` (all features when not capped)."""
+        return self.m2_cov / max(self.count - 1, 1)
+
+    def variance(self) -> torch.Tensor:
+        """Unbiased per-feature variance ``(dim,)``."""
+        return self.m2_diag / max(self.count - 1, 1)
+
+    def mean_square(self) -> float:
+        """``mean(x^2)`` over all elements."""
+        return float(self.sum_sq) / self.numel if self.numel else math.nan
+
+    def kurtosis(self) -> float:
+        """Uncentred kurtosis ``mean(x^4) / mean(x^2)^2`` over all elements (NaN when empty or all zero)."""
+        if not self.numel:
+            return math.nan
+        m2 = float(self.sum_sq) / self.numel
+        m4 = float(self.sum_4th) / self.numel
+        return m4 / (m2 * m2) if m2 > 0 else math.nan
+
+    def row_mean_square_variance(self) -> float:
+        """Unbiased variance across rows of the row mean-square ``mean_j x_ij^2``."""
+        n = self.rows
+        if n < 2:
+            return math.nan
+        mean_ms = float(self.sum_sq) / self.numel
+        return max(float(self.sum_row_ms_sq) - n * mean_ms * mean_ms, 0.0) / (n - 1)
+
+    def underflow_fraction(self, fmt: "Fp8Format | str", granularity: str) -> float:
+        i = PROBE_FORMATS.index(Fp8Format.parse(fmt))
+        j = PROBE_GRANULARITIES.index(granularity)
+        return float(self.underflow[i, j]) / self.numel if self.numel else math.nan
+
+    def saturation_fraction(self) -> float:
+        """Fraction of elements beyond the delayed amax: what a delayed tensorwise scale clamps (any format)."""
+        return float(self.saturation) / self.sat_numel if self.sat_numel else 0.0
+
+    def summary(self) -> Dict[str, Any]:
+        """A JSON-ready digest for logs: counts, amax, kurtosis, fractions, covariance shape."""
+        return {
+            "rows": self.rows,
+            "moment_rows": self.count,
+            "max_rows": self.max_rows,
+            "numel": self.numel,
+            "amax": float(self.amax) if self.rows else math.nan,
+            "kurtosis": self.kurtosis(),
+            "mean_sq": self.mean_square(),
+            "mean_norm": float(self.mean.norm()) if self.count else math.nan,
+            "std_mean": float(self.variance().clamp(min=0).sqrt().mean()) if self.count > 1 else math.nan,
+            "nonfinite": int(self.nonfinite),
+            "cov_mode": "full" if self.is_full_covariance else "subset",
+            "cov_dim": len(self.cov_index),
+            "underflow": {
+                fmt.value: {g: self.underflow_fraction(fmt, g) for g in PROBE_GRANULARITIES} for fmt in PROBE_FORMATS
+            },
+            "saturation": self.saturation_fraction(),
+        }
+
+    def __repr__(self) -> str:
+        return f"TensorStatistics(dim={self.dim}, count={self.count}, cov_dim={len(self.cov_index)})"
+
+
+def merge_all(stats: Sequence[TensorStatistics]) -> TensorStatistics:
+    """Merge several instances into a new one (the first one's device)."""
+    if not stats:
+        raise ValueError("stats: expected at least one TensorStatistics")
+    out = stats[0].clone()
+    for s in stats[1:]:
+        out.merge(s)
+    return out

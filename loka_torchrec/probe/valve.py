@@ -1,0 +1,97 @@
+"""The safety valve: has a layer's distribution moved too far from the one its kernels were chosen on?
+
+The comparison is between two statistics digests (:meth:`TensorStatistics.summary`), the
+reference (what the plan was made from) and the latest probe step's, both merged over ranks, so
+every rank reaches the same verdict. A layer trips on any of:
+
+* ``nonfinite``: the probe step saw an inf or NaN in the tensor;
+* ``amax_jump``: ``amax > amax_jump_ratio * reference amax``;
+* ``kurtosis_spike``: ``kurtosis > kurtosis_spike_ratio * reference kurtosis``;
+* ``underflow_rise``: an underflow fraction (any format, any granularity) rose by more than
+  ``underflow_rise``;
+* ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, List, Mapping, Optional
+
+from loka_torchrec.probe.config import ProbeConfig
+
+__all__ = ["Trigger", "check_shift", "describe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trigger:
+    """One reason to send a layer back to bf16, with the numbers that fired it."""
+
+    tensor: str  # "act", "grad" or "weight"
+    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "saturation_rise"
+    value: float
+    reference: float
+    bound: float
+    detail: str = ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        where = f"{self.tensor}{'.' + self.detail if self.detail else ''}"
+        if self.signal == "nonfinite":
+            return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)"
+        return f"{where} {self.signal}: {self.value:.4g} (reference {self.reference:.4g}, bound {self.bound:.4g})"
+
+
+def _num(d: Mapping[str, Any], key: str) -> float:
+    try:
+        return float(d.get(key, math.nan))
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def check_shift(tensor: str, reference: Optional[Mapping[str, Any]], window: Mapping[str, Any], config: ProbeConfig) -> List[Trigger]:
+    """The triggers that ``window`` fires against ``reference`` (digests of one tensor).
+
+    Args:
+        tensor: ``"act"``, ``"grad"`` or ``"weight"`` (for the messages).
+        reference: digest the plan was made from (``None``: only non-finite values can trip).
+        window: digest of the latest probe step.
+        config: the bounds.
+
+    Example::
+
+        >>> cfg = ProbeConfig(amax_jump_ratio=4.0)
+        >>> [t.signal for t in check_shift("act", {"amax": 1.0, "rows": 8}, {"amax": 5.0, "rows": 8}, cfg)]
+        ['amax_jump']
+    """
+    triggers: List[Trigger] = []
+    nonfinite = _num(window, "nonfinite")
+    if nonfinite > 0:
+        triggers.append(Trigger(tensor, "nonfinite", nonfinite, 0.0, 0.0))
+    if reference is None or not window.get("rows", 1):
+        return triggers
+    amax, ref_amax = _num(window, "amax"), _num(reference, "amax")
+    if ref_amax > 0 and amax > config.amax_jump_ratio * ref_amax:
+        triggers.append(Trigger(tensor, "amax_jump", amax, ref_amax, config.amax_jump_ratio * ref_amax))
+    kurt, ref_kurt = _num(window, "kurtosis"), _num(reference, "kurtosis")
+    if ref_kurt > 0 and kurt > config.kurtosis_spike_ratio * ref_kurt:
+        triggers.append(Trigger(tensor, "kurtosis_spike", kurt, ref_kurt, config.kurtosis_spike_ratio * ref_kurt))
+    under, ref_under = window.get("underflow") or {}, reference.get("underflow") or {}
+    for fmt, by_gran in sorted(under.items()):
+        for gran, value in sorted(by_gran.items()):
+            ref_value = float((ref_under.get(fmt) or {}).get(gran, math.nan))
+            value = float(value)
+            if math.isfinite(ref_value) and value - ref_value > config.underflow_rise:
+                triggers.append(Trigger(tensor, "underflow_rise", value, ref_value, ref_value + config.underflow_rise, f"{fmt}.{gran}"))
+    sat, ref_sat = _num(window, "saturation"), _num(reference, "saturation")
+    ref_sat = ref_sat if math.isfinite(ref_sat) else 0.0
+    if sat - ref_sat > config.saturation_rise:
+        triggers.append(Trigger(tensor, "saturation_rise", sat, ref_sat, ref_sat + config.saturation_rise, "tensorwise_delayed"))
+    return triggers
+
+
+def describe(triggers: List[Trigger]) -> str:
+    """One line naming every trigger and its numbers."""
+    return "; ".join(str(t) for t in triggers)

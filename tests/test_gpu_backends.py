@@ -1,0 +1,223 @@
+"""The GPU backends ``fbgemm``, ``te`` and ``triton`` (and, on the device, every backend).
+
+On the CPU: each module imports, registers its backend, and reports itself unavailable with the
+reason (no GPU, compute capability too old, library missing). On a GPU (``-m gpu``): every
+backend and recipe computes the forward, grad-input and grad-weight GEMMs of a linear layer, and
+``LokaLinear``'s forward and both gradients, within the FP8 formats' worst-case bound of the
+float64 result (:func:`loka_torchrec.kernels.fp8_gemm.fp8_gemm_error_bound`).
+"""
+
+import copy
+import dataclasses
+import importlib.util
+import zlib
+
+import pytest
+import torch
+
+import loka_torchrec.dispatch.backends as backends
+import loka_torchrec.dispatch.backends.fbgemm as fbgemm_module
+import loka_torchrec.dispatch.backends.transformer_engine as te_module
+import loka_torchrec.dispatch.backends.triton as triton_module
+from loka_torchrec.dispatch.backends.base import Availability
+from loka_torchrec.dispatch.recipes import OperandSpec, recipe_for
+from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
+from loka_torchrec.fp8 import Fp8Format, Granularity
+from loka_torchrec.kernels.fp8_gemm import fp8_gemm_error_bound
+
+GPU_BACKENDS = {
+    "fbgemm": fbgemm_module.FbgemmBackend,
+    "te": te_module.TransformerEngineBackend,
+    "triton": triton_module.TritonBackend,
+}
+ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
+
+
+def _recipe(name, role, **kwargs):
+    """The recipe of ``name``; ``triton_rowwise`` is FBGEMM's Triton kernel on the rowwise operands."""
+    if name == "triton_rowwise":
+        return dataclasses.replace(recipe_for("rowwise", role, **kwargs), name="triton_rowwise")
+    return recipe_for(name, role, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("name", sorted(GPU_BACKENDS))
+def test_backend_registers_and_reports_cpu_unavailable(name):
+    backend = backends.get_backend(name)
+    assert isinstance(backend, GPU_BACKENDS[name])
+    assert backend.devices == ("cuda",) and backend.recipes
+    available = backend.availability("cpu")
+    assert not available.ok and "cuda" in available.reason
+    reason = backend.check(_recipe(backend.recipes[0], GemmRole.FORWARD), GemmShape(64, 64, 64), "cpu")
+    assert reason == available.reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given on a machine without CUDA")
+@pytest.mark.parametrize("name", sorted(GPU_BACKENDS))
+def test_backend_reports_missing_cuda(name):
+    available = GPU_BACKENDS[name]().availability("cuda")
+    assert not available.ok and "no CUDA device" in available.reason
+
+
+@pytest.mark.parametrize("name,needs", [("fbgemm", "9.0"), ("te", "8.9"), ("triton", "8.9")])
+def test_backend_reports_old_compute_capability(monkeypatch, name, needs):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    if name == "triton":
+        monkeypatch.setattr("loka_torchrec.kernels._compat.TRITON_IMPORT_ERROR", None)
+    available = GPU_BACKENDS[name]().availability("cuda")
+    assert not available.ok
+    assert f">= {needs}" in available.reason and "8.0" in available.reason
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here")
+def test_te_reports_missing_library(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    available = te_module.TransformerEngineBackend().availability("cuda")
+    assert not available.ok and "transformer_engine is not installed" in available.reason
+
+
+def test_fbgemm_reports_missing_genai(monkeypatch):
+    if fbgemm_module._load_genai() is None:
+        pytest.skip("fbgemm-gpu-genai is installed here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    available = fbgemm_module.FbgemmBackend().availability("cuda")
+    assert not available.ok and "fbgemm" in available.reason
+
+
+def test_triton_reports_missing_triton(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr("loka_torchrec.kernels._compat.TRITON_IMPORT_ERROR", "ImportError: no module named triton")
+    available = triton_module.TritonBackend().availability("cuda")
+    assert not available.ok and "triton is not importable" in available.reason
+
+
+def test_fbgemm_recipe_rules(monkeypatch):
+    """Which recipes FBGEMM can take, checked before anything runs."""
+    backend = fbgemm_module.FbgemmBackend()
+    backend._availability["cuda"] = Availability(True)  # as on a GPU machine with FBGEMM
+    shape = GemmShape(64, 64, 64)
+    assert backend.check(_recipe("rowwise", GemmRole.FORWARD), shape, "cuda") is None
+    reason = backend.check(_recipe("rowwise", GemmRole.GRAD_INPUT, grad_format=Fp8Format.E5M2), shape, "cuda")
+    assert "e4m3" in reason and "triton_rowwise" in reason
+    assert "multiples of 16" in backend.check(_recipe("rowwise", GemmRole.FORWARD), GemmShape(64, 40, 64), "cuda")
+    if importlib.util.find_spec("fbgemm_gpu.experimental") is None:
+        reason = backend.check(_recipe("triton_rowwise", GemmRole.FORWARD), shape, "cuda")
+        assert "not importable" in reason
+    with pytest.raises(ValueError, match="only rowwise"):
+        backend.quantize(torch.zeros(4, 4), OperandSpec(Fp8Format.E4M3, Granularity.TENSORWISE))
+
+
+def test_triton_backend_rejects_blockwise_operands():
+    backend = backends.get_backend("triton")
+    with pytest.raises(ValueError, match="tensorwise or rowwise"):
+        backend.quantize(torch.zeros(4, 4), recipe_for("blockwise", GemmRole.FORWARD).a)
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+ALL_KERNELS = [
+    ("triton", "rowwise"),
+    ("triton", "tensorwise"),
+    ("fbgemm", "rowwise"),
+    ("fbgemm", "triton_rowwise"),
+    ("te", "tensorwise"),
+    ("te", "blockwise"),
+    ("scaled_mm", "rowwise"),
+    ("scaled_mm", "tensorwise"),
+    ("bf16", "hp"),
+]
+ROWS, IN, OUT = 1024, 384, 256  # multiples of 128: every backend's alignment and TE's blockwise K
+
+
+def _layer_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(ROWS, IN, generator=g) * torch.exp(torch.randn(ROWS, 1, generator=g))).cuda().bfloat16()
+    w = (torch.randn(OUT, IN, generator=g) / IN**0.5).cuda().bfloat16()
+    dy = (torch.randn(ROWS, OUT, generator=g) * 1e-3).cuda().bfloat16()
+    return x, w, dy
+
+
+def _operands(role, x, w, dy):
+    return {GemmRole.FORWARD: (x, w), GemmRole.GRAD_INPUT: (dy, w.t()), GemmRole.GRAD_WEIGHT: (dy.t(), x.t())}[role]
+
+
+def _bound(recipe, a, b, out_dtype=torch.bfloat16):
+    if recipe is None:  # high precision: bf16 operands are exact, only accumulation and output rounding
+        return fp8_gemm_error_bound(a, b, fmt_a=None, fmt_b=None, out_dtype=out_dtype)
+    return fp8_gemm_error_bound(
+        a, b, fmt_a=recipe.a.fmt, fmt_b=recipe.b.fmt, granularity_a=recipe.a.granularity,
+        granularity_b=recipe.b.granularity, block_a=recipe.a.block, block_b=recipe.b.block,
+        power_of_two=recipe.a.power_of_two or recipe.b.power_of_two, out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def _usable(backend_name, recipe_name, role, shape):
+    backend = backends.get_backend(backend_name)
+    recipe = None if recipe_name == "hp" else _recipe(recipe_name, role)
+    if recipe is not None:
+        reason = backend.check(recipe, shape, "cuda")
+        if reason is not None:
+            pytest.skip(f"{backend_name}:{recipe_name} cannot run {role.value} here: {reason}")
+    return backend, recipe
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend_name,recipe_name", ALL_KERNELS, ids=lambda v: str(v))
+def test_backend_role_gemms_within_format_bound(backend_name, recipe_name):
+    x, w, dy = _layer_tensors(seed=zlib.crc32(f"{backend_name}:{recipe_name}".encode()))
+    for role in ROLES:
+        a, b = _operands(role, x, w, dy)
+        shape = GemmShape(a.shape[0], a.shape[1], b.shape[0])
+        backend, recipe = _usable(backend_name, recipe_name, role, shape)
+        out = backend.gemm(a, b, recipe, torch.float32)
+        assert out.shape == (shape.m, shape.n) and out.dtype == torch.float32
+        exact = a.double() @ b.double().t()
+        err = (out.double() - exact).abs()
+        bound = _bound(recipe, a, b)
+        assert torch.all(err <= bound), f"{role.value}: max error / bound = {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend_name,recipe_name", ALL_KERNELS, ids=lambda v: str(v))
+def test_loka_linear_forward_and_gradients_within_format_bound(backend_name, recipe_name):
+    linear_module = pytest.importorskip("loka_torchrec.dispatch.linear")
+    from loka_torchrec.dispatch.layer_kernels import LayerKernels
+
+    x, w, dy = _layer_tensors(seed=7)
+    recipes = {}
+    for role in ROLES:
+        a, b = _operands(role, x, w, dy)
+        recipes[role] = _usable(backend_name, recipe_name, role, GemmShape(a.shape[0], a.shape[1], b.shape[0]))[1]
+    linear = torch.nn.Linear(IN, OUT, bias=True, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    try:
+        layer = linear_module.LokaLinear.from_linear(
+            copy.deepcopy(linear), kernels=LayerKernels.uniform(KernelChoice(backend_name, recipe_name))
+        )
+    except ValueError as exc:  # e.g. a recipe name the recipe table does not know yet
+        pytest.skip(f"LokaLinear does not accept {backend_name}:{recipe_name}: {exc}")
+    xr = x.clone().requires_grad_(True)
+    y = layer(xr)
+    y.backward(dy)
+    assert not layer.fallback_reasons, f"some GEMMs fell back to high precision: {layer.fallback_reasons}"
+
+    x64, w64, dy64, b64 = x.double(), w.double(), dy.double(), linear.bias.detach().double()
+    checks = {
+        "y": (y, x64 @ w64.t() + b64, _bound(recipes[GemmRole.FORWARD], x, w)),
+        "dx": (xr.grad, dy64 @ w64, _bound(recipes[GemmRole.GRAD_INPUT], dy, w.t())),
+        "dW": (layer.weight.grad, dy64.t() @ x64, _bound(recipes[GemmRole.GRAD_WEIGHT], dy.t(), x.t())),
+    }
+    for name, (got, exact, bound) in checks.items():
+        assert got is not None and got.shape == exact.shape, name
+        slack = 2.0**-7 * exact.abs()  # the bias add (y) and casts after the GEMM, in bf16
+        err = (got.double() - exact).abs()
+        assert torch.all(err <= bound + slack), f"{name}: max error / bound = {(err / (bound + slack)).max().item():.3g}"

@@ -1,0 +1,260 @@
+"""ProbeCallback: cadence, layer discovery, evidence to Dispatch, safety valve, logs, and 2 gloo ranks."""
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
+from loka_torchrec.probe import ProbeCallback, ProbeConfig, canonical_fqn, probe
+from loka_torchrec.probe.logs import read_rank_log, read_summary
+
+SMM_TW = KernelChoice("scaled_mm", "tensorwise")
+SMM_RW = KernelChoice("scaled_mm", "rowwise")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+class FakeDispatch(EvidenceConsumer):
+    """Records every call the Probe makes."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.calls = []
+        self.evidence = []
+
+    def managed_layers(self):
+        return self.layers
+
+    def candidates(self, layer):
+        return {role: [BF16, SMM_TW, SMM_RW] for role in GemmRole}
+
+    def replan(self, evidence, *, source, step):
+        assert all(isinstance(ev, CandidateEvidence) for ev in evidence)
+        self.evidence = list(evidence)
+        self.calls.append(("replan", source, step, len(evidence)))
+
+    def fallback(self, layer, reason, *, step):
+        self.calls.append(("fallback", layer, step, reason))
+
+    def readmit(self, layer, *, step):
+        self.calls.append(("readmit", layer, step))
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+CFG = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, samples=3, speed_reps=1, max_rows_per_step=32, readmit_windows=2)
+
+
+def _train(model, probe, steps, *, data=None, rank=0):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for step in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        if data is not None:
+            x = data(step, x)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        probe.on_step_end(step)
+
+
+def test_disabled_probe_does_nothing(tmp_path):
+    model = _mlp()
+    cb = ProbeCallback(model, ProbeConfig(), run_dir=str(tmp_path))
+    _train(model, cb, 3)
+    cb.close()
+    assert not cb.enabled and not cb.probing
+    assert all(not m._forward_hooks for m in model.modules())
+    assert not (tmp_path / "probe").exists()
+
+
+def test_hooks_exist_only_on_probe_steps(tmp_path):
+    model = _mlp()
+    cfg = ProbeConfig(enabled=True, every=3, warmup_steps=7, every_after=5, samples=2, speed_reps=1, max_rows_per_step=16)
+    cb = ProbeCallback(model, cfg, run_dir=str(tmp_path))
+    seen = []
+    for step in range(20):
+        hooked = bool(model[0]._forward_hooks)
+        assert hooked == cb.probing
+        seen.append(hooked)
+        model(torch.randn(8, 16)).sum().backward()
+        cb.on_step_end(step)
+    cb.close()
+    assert [s for s, h in enumerate(seen) if h] == [0, 3, 6, 7, 12, 17]
+    assert [s for s in range(20) if cfg.is_probe_step(s)] == [0, 3, 6, 7, 12, 17]
+
+
+def test_layer_discovery_strips_wrapper_prefixes(tmp_path):
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    class Dmp(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self._dmp_wrapped_module = inner
+
+    model = Dmp(Wrapper(_mlp()))
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path))
+    assert cb.layer_names == ["0", "2"]
+    cb.close()
+    assert canonical_fqn("module._orig_mod.net.fc") == "net.fc"
+    explicit = ProbeCallback(model, CFG, run_dir=str(tmp_path), layers={"head": model._dmp_wrapped_module.module[2]})
+    assert explicit.layer_names == ["head"]
+    explicit.close()
+    with pytest.raises(TypeError, match=r"layers\['relu'\]: expected an nn.Module with a 2-D weight"):
+        ProbeCallback(model, CFG, run_dir=str(tmp_path), layers={"relu": nn.ReLU()})
+    with pytest.raises(TypeError, match="config: expected a ProbeConfig"):
+        ProbeCallback(model, {"enabled": True}, run_dir=str(tmp_path))
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="every: expected a positive int"):
+        ProbeConfig(every=0)
+    with pytest.raises(ValueError, match="error_basis"):
+        ProbeConfig(error_basis="median")
+    with pytest.raises(ValueError, match="amax_jump_ratio"):
+        ProbeConfig(amax_jump_ratio=1.0)
+    with pytest.raises(ValueError, match="samples: a confidence interval needs at least 2"):
+        ProbeConfig(samples=1)
+    assert ProbeConfig().resolved_samples("cpu") == 16 and ProbeConfig().resolved_samples("cuda") == 100
+
+
+def test_replan_at_the_end_of_warmup_with_evidence_for_every_layer_role_and_candidate(tmp_path):
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    cb = probe(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 4)
+    cb.close()
+    assert dispatch.calls == [("replan", "probe", 3, 2 * 3 * 3)]
+    keys = {(ev.layer, ev.role, ev.candidate) for ev in dispatch.evidence}
+    assert keys == {(layer, role, c) for layer in ("fc1", "fc2") for role in GemmRole for c in (BF16, SMM_TW, SMM_RW)}
+    for ev in dispatch.evidence:
+        assert ev.source == "probe" and ev.error.method == "t95" and ev.time_ms.method == "iqr"
+        if not ev.candidate.is_high_precision:
+            assert 0 < ev.error.value < 0.5 and math.isfinite(ev.time_ms.value)
+    fc1_fwd = next(ev for ev in dispatch.evidence if ev.layer == "fc1" and ev.role == GemmRole.FORWARD)
+    assert (fc1_fwd.shape.m, fc1_fwd.shape.k, fc1_fwd.shape.n) == (32, 16, 32)
+
+
+def _shifted(spike_step, kind):
+    def data(step, x):
+        if step == spike_step:
+            return x * 1e3 if kind == "spike" else x.index_put_((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("nan")))
+        return x
+
+    return data
+
+
+def test_safety_valve_trips_on_a_distribution_shift_and_readmits_after_it_settles(tmp_path, caplog):
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    with caplog.at_level("WARNING", logger="loka_torchrec.probe"):
+        _train(model, cb, 12, data=_shifted(6, "spike"))
+    cb.close()
+    fallbacks = [c for c in dispatch.calls if c[0] == "fallback"]
+    assert {c[1] for c in fallbacks} == {"fc1", "fc2"} and {c[2] for c in fallbacks} == {6}
+    assert "act amax_jump" in fallbacks[0][3] and "reference" in fallbacks[0][3]
+    assert any("falls back to bf16" in r.message and "amax_jump" in r.message for r in caplog.records)
+    # steps 8 and 10 are clean probe steps: re-evaluated and readmitted at step 10
+    assert [c for c in dispatch.calls if c[0] == "readmit"] == [("readmit", "fc1", 10), ("readmit", "fc2", 10)]
+    records, _ = read_rank_log(tmp_path / "probe" / "rank0.jsonl")
+    tripped = [r for r in records if r["event"] == "fallback"]
+    assert len(tripped) == 2 and all(t["triggers"][0]["signal"] == "amax_jump" for t in tripped)
+    trig = tripped[0]["triggers"][0]
+    assert float(trig["value"]) > float(trig["bound"]) == pytest.approx(CFG.amax_jump_ratio * float(trig["reference"]))
+    summary, problem = read_summary(tmp_path / "probe" / "summary.json")
+    assert problem is None and [e["event"] for e in summary["layers"]["fc1"]["events"]] == ["fallback", "readmit"]
+
+
+def test_safety_valve_trips_on_nan(tmp_path):
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0]})
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 7, data=_shifted(6, "nan"))
+    cb.close()
+    (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
+    assert fallback[1:3] == ("fc1", 6) and "act nonfinite" in fallback[3]
+
+
+def test_logs_survive_a_killed_run(tmp_path):
+    model = _mlp()
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path))
+    _train(model, cb, 7)
+    # no close(): the process "dies"; then its last line is cut mid-write
+    log = tmp_path / "probe" / "rank0.jsonl"
+    lines = log.read_text().splitlines()
+    complete, _ = read_rank_log(log)
+    # 2 layers x (probe steps 0, 2, 4, 6 + the plan at the end of step 3)
+    assert len(complete) == len(lines) == 2 * 5
+    with open(log, "r+") as f:
+        f.truncate(log.stat().st_size - len(lines[-1]) // 2)
+    with pytest.warns(UserWarning, match="line 10: skipped an unreadable record"):
+        records, problems = read_rank_log(log)
+    assert len(records) == 9 and len(problems) == 1
+    assert all(r["v"] == 1 and r["layer"] in ("0", "2") for r in records)
+    assert [(r["step"], r["event"]) for r in records if r["layer"] == "0"] == [(0, "probe"), (2, "probe"), (3, "plan"), (4, "probe"), (6, "probe")]
+    summary, problem = read_summary(tmp_path / "probe" / "summary.json")  # written atomically at every report
+    assert problem is None and summary["planned"] and set(summary["layers"]) == {"0", "2"}
+    json.loads((tmp_path / "probe" / "summary.json").read_text())
+
+
+# ------------------------------------------------------------------------------ two gloo ranks
+def _rank_worker(rank: int, init_file: str, run_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = _mlp(seed=0)  # same initial weights on both ranks, as under DDP
+        dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+        cb = ProbeCallback(model, CFG, run_dir=run_dir, consumer=dispatch)
+
+        def data(step, x):  # only rank 1 sees the spike; both ranks must react alike
+            return x * 1e3 if (rank == 1 and step == 6) else x
+
+        _train(model, cb, 8, data=data, rank=rank)
+        cb.close()
+        evidence = [ev.to_dict() for ev in dispatch.evidence]
+        with open(os.path.join(run_dir, f"calls{rank}.json"), "w") as f:
+            json.dump({"calls": dispatch.calls, "evidence": evidence, "rows": cb.layer_state("fc1").reference_act.count}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_decide_identically(tmp_path):
+    run_dir = str(tmp_path)
+    mp.spawn(_rank_worker, args=(str(tmp_path / "store"), run_dir), nprocs=2, join=True)
+    out = [json.loads((tmp_path / f"calls{r}.json").read_text()) for r in range(2)]
+    assert out[0]["calls"] == out[1]["calls"]
+    assert out[0]["evidence"] == out[1]["evidence"]  # the same evidence list on every rank
+    calls = out[0]["calls"]
+    assert calls[0][:3] == ["replan", "probe", 3]
+    assert {(c[0], c[1], c[2]) for c in calls[1:]} == {("fallback", "fc1", 6), ("fallback", "fc2", 6)}
+    assert out[0]["rows"] == 2 * 2 * 32  # reference = both ranks' rows of probe steps 0 and 2
+    for r in range(2):
+        records, problems = read_rank_log(tmp_path / "probe" / f"rank{r}.jsonl")
+        assert not problems and {rec["rank"] for rec in records} == {r}
+        spike = [rec for rec in records if rec["step"] == 6 and rec["layer"] == "fc1"][0]
+        assert spike["event"] == "fallback"
+        local_amax = spike["stats"]["act"]["local"]["amax"]
+        assert spike["stats"]["act"]["merged"]["amax"] >= local_amax
+    assert (tmp_path / "probe" / "summary.json").exists()

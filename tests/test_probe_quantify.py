@@ -1,0 +1,201 @@
+"""Probe error quantification and speed: intervals, CI coverage, FP8 error bounds, timings."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
+from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.probe.config import ProbeConfig
+from loka_torchrec.probe.evaluate import choose_error, evaluate_layer
+from loka_torchrec.probe.intervals import iqr_interval, t_interval, t_quantile_975
+from loka_torchrec.probe.quantify import CandidateError, LayerSnapshot, quantify_errors, reference_gemm
+from loka_torchrec.probe.reservoir import RowReservoir
+from loka_torchrec.probe.speed import SpeedCache, time_gemm
+from loka_torchrec.probe.statistics import TensorStatistics
+from loka_torchrec.probe.weight_statistics import WeightStatistics
+
+EMU_TW = KernelChoice("emulated", "tensorwise")
+EMU_RW = KernelChoice("emulated", "rowwise")
+SMM_RW = KernelChoice("scaled_mm", "rowwise")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _snapshot(*, in_features=32, out_features=16, rows=64, act_shift=0.0, weight=None, reservoir=True, grads=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = weight if weight is not None else torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
+    act, grad = TensorStatistics(in_features), TensorStatistics(out_features)
+    res = RowReservoir(in_features, out_features, capacity=256) if reservoir else None
+    ws = WeightStatistics(out_features, in_features)
+    ws.update(w)
+    for _ in range(4):
+        x = torch.randn(rows, in_features, generator=gen) + act_shift
+        dy = torch.randn(rows, out_features, generator=gen) * 1e-3
+        act.update(x)
+        if grads:
+            grad.update(dy)
+        if res is not None:
+            token = res.offer_inputs(x)
+            if grads:
+                res.offer_grads(token, dy)
+    return LayerSnapshot("layer", w, act, grad, ws, res, rows)
+
+
+def test_t_quantiles_match_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 5, 19, 30, 31, 60, 99, 1000):
+        assert t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-6)
+    with pytest.raises(ValueError, match="df"):
+        t_quantile_975(0)
+
+
+def test_t_interval_covers_a_known_mean_at_the_stated_rate():
+    # Exponential draws (skewed, like per-draw errors) with true mean 1: 400 seeded trials of 30 draws.
+    rng = np.random.default_rng(0)
+    trials = 400
+    hits = 0
+    for _ in range(trials):
+        iv = t_interval(rng.exponential(1.0, 30))
+        hits += iv.low <= 1.0 <= iv.high
+    rate = hits / trials
+    # 95% nominal; the t interval undercovers slightly for skewed data at n=30 (about 93%).
+    assert 0.89 <= rate <= 0.99, rate
+
+
+def test_mere_interval_covers_the_ground_truth_at_about_the_stated_rate():
+    snap = _snapshot(in_features=16, out_features=8, rows=32, reservoir=False)
+    candidates = {GemmRole.FORWARD: [EMU_TW]}
+    # ground truth: the mean MERE over many draws (a different seed from the trials)
+    truth = quantify_errors(snap, candidates, samples=1500, seed=10_000)[(GemmRole.FORWARD, EMU_TW)].gaussian
+    trials = 60
+    hits = 0
+    for seed in range(trials):
+        iv = quantify_errors(snap, candidates, samples=12, seed=seed)[(GemmRole.FORWARD, EMU_TW)].gaussian
+        assert iv.method == "t95" and iv.n == 12
+        hits += iv.low <= truth.value <= iv.high
+    # 95% nominal: with 60 trials, 0.83 is 3.5 binomial standard errors below 0.95
+    assert hits / trials >= 0.83, (hits, truth)
+    assert truth.high - truth.low < 0.1 * truth.value
+
+
+def test_errors_respect_the_e4m3_bound_on_positive_data():
+    # All-positive operands: no cancellation, so every output element's relative error is at most
+    # the two operands' rounding, (1 + u)^2 - 1 with u = 2**-4 for E4M3.
+    u = Fp8Format.E4M3.unit_roundoff
+    w = torch.rand(16, 32, generator=torch.Generator().manual_seed(1)) + 0.5
+    snap = _snapshot(weight=w, act_shift=6.0)
+    res = quantify_errors(snap, {GemmRole.FORWARD: [BF16, EMU_TW, EMU_RW, SMM_RW]}, samples=6)
+    bound = (1 + u) ** 2 - 1
+    for choice in (EMU_TW, EMU_RW, SMM_RW):
+        err = res[(GemmRole.FORWARD, choice)]
+        assert 0 < err.gaussian.value <= bound and err.gaussian.high <= bound
+        assert err.captured is not None and 0 < err.captured.value <= bound
+        assert err.weight_model is not None  # weights drawn from the weight model too
+        assert err.gaussian_sqnr.value > 20.0  # E4M3 with per-element error <= 2u: SQNR well above 20 dB
+    # the fp32 baseline on the CPU is essentially exact against the float64 reference
+    assert res[(GemmRole.FORWARD, BF16)].gaussian.value < 1e-5
+
+
+def test_every_role_gets_measured_and_missing_gradients_are_explained():
+    snap = _snapshot()
+    roles = {role: [EMU_RW, KernelChoice("scaled_mm", "blockwise"), KernelChoice("nope", "x")] for role in GemmRole}
+    res = quantify_errors(snap, roles, samples=3)
+    for role in GemmRole:
+        assert res[(role, EMU_RW)].available and res[(role, EMU_RW)].gaussian.value > 0
+        assert res[(role, KernelChoice("scaled_mm", "blockwise"))].note.startswith("unavailable: scaled_mm has no recipe")
+        assert "unknown GEMM backend 'nope'" in res[(role, KernelChoice("nope", "x"))].note
+    assert res[(GemmRole.GRAD_WEIGHT, EMU_RW)].weight_model is None  # wgrad reads no weight
+    no_grad = quantify_errors(_snapshot(grads=False), roles, samples=3)
+    assert no_grad[(GemmRole.FORWARD, EMU_RW)].available
+    assert "no output gradients" in no_grad[(GemmRole.GRAD_INPUT, EMU_RW)].note
+
+
+def test_same_seed_same_draws():
+    snap = _snapshot()
+    a = quantify_errors(snap, {GemmRole.FORWARD: [EMU_TW]}, samples=4, seed=3)
+    b = quantify_errors(snap, {GemmRole.FORWARD: [EMU_TW]}, samples=4, seed=3)
+    assert a[(GemmRole.FORWARD, EMU_TW)].gaussian == b[(GemmRole.FORWARD, EMU_TW)].gaussian
+
+
+def test_quantify_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="samples"):
+        quantify_errors(_snapshot(), {GemmRole.FORWARD: [EMU_TW]}, samples=1)
+    empty = _snapshot()
+    empty.act = TensorStatistics(32)
+    with pytest.raises(ValueError, match="no input rows"):
+        quantify_errors(empty, {GemmRole.FORWARD: [EMU_TW]}, samples=2)
+
+
+def test_reference_is_float64_on_cpu():
+    a, b = torch.randn(4, 8), torch.randn(3, 8)
+    assert reference_gemm(a, b).dtype == torch.float64
+
+
+def test_choose_error_basis():
+    from loka_torchrec.evidence import Interval
+
+    g, c = Interval(0.1, 0.09, 0.11, 8, "t95"), Interval(0.2, 0.15, 0.25, 8, "t95")
+    err = CandidateError(gaussian=g, gaussian_sqnr=g, captured=c, captured_sqnr=c)
+    assert choose_error(err, "gaussian")[0] == g
+    assert choose_error(err, "captured")[0] == c
+    assert choose_error(err, "max")[0] == c
+    assert choose_error(CandidateError(gaussian=g, gaussian_sqnr=g), "max")[0] == g
+
+
+def test_time_gemm_and_cache():
+    iv = time_gemm(SMM_RW, GemmRole.FORWARD, GemmShape(32, 16, 8), dtype=torch.float32, device="cpu", reps=3)
+    assert iv.n == 3 and iv.method == "iqr" and 0 < iv.low <= iv.value <= iv.high
+    cache = SpeedCache(reps=2)
+    first = cache.time(BF16, GemmRole.FORWARD, GemmShape(16, 8, 8), dtype=torch.float32, device=torch.device("cpu"))
+    again = cache.time(BF16, GemmRole.GRAD_INPUT, GemmShape(16, 8, 8), dtype=torch.float32, device=torch.device("cpu"))
+    assert first is again  # same kernel, same shape: timed once
+    failed = cache.time(KernelChoice("scaled_mm", "blockwise"), GemmRole.FORWARD, GemmShape(16, 8, 8), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(failed, str) and "blockwise" in failed
+    with pytest.raises(ValueError, match="reps"):
+        time_gemm(BF16, GemmRole.FORWARD, GemmShape(2, 2, 2), dtype=torch.float32, device="cpu", reps=0)
+
+
+def test_evaluate_layer_builds_evidence_for_dispatch():
+    snap = _snapshot(rows=300)
+    cfg = ProbeConfig(samples=3, speed_reps=2, max_rows_per_step=64)
+    roles = {role: [BF16, SMM_RW, KernelChoice("scaled_mm", "blockwise")] for role in GemmRole}
+    evidence, details = evaluate_layer(snap, roles, config=cfg, speed_cache=SpeedCache(reps=2))
+    assert len(evidence) == len(details) == 9
+    by_key = {(ev.role, ev.candidate): ev for ev in evidence}
+    fwd = by_key[(GemmRole.FORWARD, SMM_RW)]
+    assert fwd.source == "probe" and fwd.device == "cpu"
+    assert fwd.shape == GemmShape(300, 32, 16)  # the real shape, even though timing used M = 64
+    assert "timed at M=64" in fwd.note and "error: " in fwd.note
+    assert math.isfinite(fwd.time_ms.value) and math.isfinite(fwd.baseline_time_ms.value)
+    assert by_key[(GemmRole.GRAD_WEIGHT, SMM_RW)].shape == GemmShape(16, 300, 32)
+    blocked = by_key[(GemmRole.FORWARD, KernelChoice("scaled_mm", "blockwise"))]
+    assert math.isinf(blocked.error.value) and blocked.note.startswith("unavailable")
+    assert blocked.speedup == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_reference_is_fp32_without_tf32_and_timing_uses_events():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    a = torch.randn(64, 256, device="cuda")
+    b = torch.randn(32, 256, device="cuda")
+    ref = reference_gemm(a, b)
+    assert ref.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32  # restored afterwards
+    torch.testing.assert_close(ref.double(), a.double() @ b.double().t(), rtol=1e-5, atol=1e-4)
+    iv = time_gemm(BF16, GemmRole.FORWARD, GemmShape(1024, 256, 256), dtype=torch.bfloat16, device="cuda", reps=10)
+    assert iv.n == 10 and iv.value > 0
+    snap = _snapshot()
+    snap.weight = snap.weight.cuda()
+    snap.act.to("cuda")
+    snap.grad.to("cuda")
+    res = quantify_errors(snap, {GemmRole.FORWARD: [SMM_RW]}, samples=4, dtype=torch.bfloat16)
+    assert 0 < res[(GemmRole.FORWARD, SMM_RW)].gaussian.value < 0.5
