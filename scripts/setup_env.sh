@@ -18,5 +18,8 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" fbgemm-gpu-cpu==1.8.0
 "${pip[@]}" --no-deps torchrec==1.8.0
 "${pip[@]}" tensordict pyre-extensions torchmetrics==1.0.3 iopath tqdm
-"${pip[@]}" -e "$root[dev]"
+# The project's other requirements and [dev] extras, then the project itself with --no-deps:
+# letting pip resolve `torchrec` again would pull the CUDA fbgemm-gpu back in.
+"${pip[@]}" "hydra-core>=1.3,<1.4" "omegaconf>=2.3" rich numpy pytest hypothesis scipy matplotlib triton
+"${pip[@]}" --no-deps -e "$root"
 touch "$stamp"
