@@ -83,7 +83,7 @@ def test_mods_all_runs_and_fusion_plus_padding_keep_the_model_function():
     kinds = {type(m) for m in modded.modules()}
     assert BlockNorm in kinds and PaddedLinear in kinds and nn.Hardswish in kinds
     assert nn.LayerNorm not in kinds and nn.SiLU not in kinds
-    assert report["no_bias"].skipped == (("head.4", "final prediction layer"),)
+    assert report["no_bias"].skipped == (("over_arch.head.4", "final prediction layer"),)
     for module in modded.modules():
         if isinstance(module, nn.Linear):
             assert module.in_features % 16 == 0 and module.out_features % 16 == 0

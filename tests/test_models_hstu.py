@@ -101,7 +101,7 @@ def test_forward_backward_shapes_and_gradients():
     logits.sum().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    uvqk = model.layers[0].uvqk
+    uvqk = model.over_arch.layers[0].uvqk
     assert isinstance(uvqk, SiblingLinears) and uvqk.names == ("u", "v", "q", "k")
 
 
@@ -120,13 +120,13 @@ def test_mods_all_and_the_function_preserving_mods():
     kjt = _kjt([[1, 2, 3], [4], [5, 6]], [7, 8, 9])
     exact = copy.deepcopy(model)
     report = apply_mods(exact, ModsConfig(preset="custom", fuse_siblings=True, pad_to_16=True))
-    assert report["fuse_siblings"].modules == ("layers.0.uvqk", "layers.1.uvqk")
+    assert report["fuse_siblings"].modules == ("over_arch.layers.0.uvqk", "over_arch.layers.1.uvqk")
     torch.testing.assert_close(exact(dense, kjt), model(dense, kjt), rtol=1e-5, atol=1e-5)
     modded = copy.deepcopy(model)
     apply_mods(modded, ModsConfig(preset="all", block_size=16))
     kinds = {type(m) for m in modded.modules()}
     assert BlockNorm in kinds and nn.Hardswish in kinds and nn.SiLU not in kinds and nn.LayerNorm not in kinds
-    assert modded.layers[0].uvqk.is_fused
+    assert modded.over_arch.layers[0].uvqk.is_fused
     out = modded(dense, kjt)
     assert out.shape == (3,)
     out.sum().backward()
@@ -157,7 +157,7 @@ def test_large_preset_gemm_shapes():
         ),
     )
     model = build_hstu(HstuConfig.large(), spec, torch.device("meta"))
-    layer = model.layers[0]
+    layer = model.over_arch.layers[0]
     assert layer.uvqk.widths == (512, 512, 512, 512)  # one fused GEMM: K = 512, N = 2048
     assert (layer.out.in_features, layer.out.out_features) == (512, 512)
     assert model.max_len == 128

@@ -97,3 +97,17 @@ def test_recency_weights_make_the_last_item_count_most():
 def test_bad_config_names_the_field(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         SyntheticSequenceConfig(**kwargs)
+
+
+def test_make_rank_data_builds_the_jobs_view_and_names_unknown_options():
+    from loka_torchrec.training.synthetic_sequences import make_rank_data
+
+    data = make_rank_data({"num_items": 100, "batch_size": 8, "eval_batches": 2, "max_seq_len": 5}, rank=1, world_size=2)
+    assert data.spec.feature_names == (HISTORY_FEATURE, CANDIDATE_FEATURE) and data.batch_size == 8
+    expected = SyntheticSequenceDataset(
+        SyntheticSequenceConfig(num_items=100, batch_size=8, eval_batches=2, max_seq_len=5), rank=1, world_size=2
+    )
+    assert _same(next(data.train(3)), expected.batch(3))
+    assert len(list(data.eval(0))) == 1 and 0.0 < data.teacher_ne < 1.5
+    with pytest.raises(ValueError, match=r"data: unknown option\(s\) \['items'\]"):
+        make_rank_data({"items": 100}, rank=0, world_size=1)

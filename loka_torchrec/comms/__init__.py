@@ -21,36 +21,28 @@ Example::
     >>> ebc_sharder, ec_sharder = comms.sharders(config)
 """
 
+import importlib.util
+
 from loka_torchrec.comms.config import DEFAULT_BLOCK, CommsConfig
 
-# Everything else imports TorchRec: load it on first use, so that reading a config (and importing
-# loka_torchrec on a machine without TorchRec, e.g. for the GEMM kernels alone) stays cheap.
-_LAZY = {
-    "Bf16CommCodec": "codec",
-    "CommCodecContext": "codec",
-    "Fp8CommCodec": "codec",
-    "Fp32CommCodec": "codec",
-    "NonFiniteCounters": "codec",
-    "CommsCostEstimator": "planner",
-    "bytes_per_value": "planner",
-    "estimators": "planner",
-    "sharding_planner": "planner",
-    "registry": "registry",
-    "resolve_block": "registry",
-    "LokaEmbeddingBagCollectionSharder": "sharders",
-    "LokaEmbeddingCollectionSharder": "sharders",
-    "module_embedding_dims": "sharders",
-    "sharders": "sharders",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"loka_torchrec.comms.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# Everything else imports TorchRec. Where TorchRec is missing (e.g. a GPU machine used only for
+# the GEMM kernels), reading a config must still work, so those names are then left out.
+if importlib.util.find_spec("torchrec") is not None:
+    from loka_torchrec.comms.codec import (
+        Bf16CommCodec,
+        CommCodecContext,
+        Fp8CommCodec,
+        Fp32CommCodec,
+        NonFiniteCounters,
+    )
+    from loka_torchrec.comms.planner import CommsCostEstimator, bytes_per_value, estimators, sharding_planner
+    from loka_torchrec.comms.registry import registry, resolve_block
+    from loka_torchrec.comms.sharders import (
+        LokaEmbeddingBagCollectionSharder,
+        LokaEmbeddingCollectionSharder,
+        module_embedding_dims,
+        sharders,
+    )
 
 __all__ = [
     # configuration

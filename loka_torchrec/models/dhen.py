@@ -40,7 +40,7 @@ from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
 from loka_torchrec.training.data_spec import DataSpec
 
-__all__ = ["INTERACTIONS", "ENSEMBLES", "DhenConfig", "DhenLayer", "Dhen", "build_dhen", "token_split"]
+__all__ = ["INTERACTIONS", "ENSEMBLES", "DhenConfig", "DhenLayer", "DhenOverArch", "Dhen", "build_dhen", "token_split"]
 
 INTERACTIONS: Tuple[str, ...] = ("dot", "self_attention", "cross", "linear")
 ENSEMBLES: Tuple[str, ...] = ("concat", "sum")
@@ -302,6 +302,61 @@ def _mlp(widths: Sequence[int], device: torch.device) -> List[nn.Module]:
     return layers
 
 
+class DhenOverArch(nn.Module):
+    """Everything after the embedding lookup: dense MLP, DHEN layers, head.
+
+    ``(dense (B, num_dense), pooled KeyedTensor) -> logits (B,)``. It is its own module so that
+    the model's top-level ``forward`` is only "look up, then this", which TorchRec's train
+    pipelines trace with ``torch.fx`` (a module without sharded tables inside is a leaf there).
+
+    Args:
+        feature_names: the pooled features, in token order.
+        num_dense: dense features per sample (0: no dense token).
+        config: sizes.
+        device: for the parameters.
+    """
+
+    def __init__(
+        self,
+        feature_names: Sequence[str],
+        num_dense: int,
+        config: DhenConfig,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        from torchrec.modules.activation import SwishLayerNorm
+
+        device = torch.device("cpu") if device is None else device
+        d = config.embedding_dim
+        self.num_dense = num_dense
+        self.feature_names: Tuple[str, ...] = tuple(feature_names)
+        self.dense_arch = (
+            nn.Sequential(*_mlp((num_dense,) + config.dense_hidden + (d,), device)) if num_dense else None
+        )
+        self.num_tokens = len(self.feature_names) + (1 if num_dense else 0)
+        self.layers = nn.ModuleList([DhenLayer(self.num_tokens, config, device) for _ in range(config.num_layers)])
+        head: List[nn.Module] = []
+        width = self.num_tokens * d
+        for hidden in config.head_hidden:
+            head += [nn.Linear(width, hidden, device=device), SwishLayerNorm(hidden, device=device)]
+            width = hidden
+        head.append(mark_prediction_layer(nn.Linear(width, 1, device=device)))
+        self.head = nn.Sequential(*head)
+
+    def forward(self, dense_features: torch.Tensor, pooled) -> torch.Tensor:
+        """``dense_features (B, num_dense)`` and the ``KeyedTensor`` of pooled embeddings -> ``(B,)``."""
+        if dense_features.dim() != 2 or dense_features.shape[1] != self.num_dense:
+            raise ValueError(f"dense_features must be (B, {self.num_dense}), got {tuple(dense_features.shape)}")
+        embeddings = pooled.to_dict()
+        tokens = [embeddings[name] for name in self.feature_names]
+        if self.dense_arch is not None:
+            tokens.insert(0, self.dense_arch(dense_features))
+        x = torch.stack(tokens, dim=1)  # (B, m, d)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.reshape(x.shape[0], -1)).squeeze(-1)
+
+
 class Dhen(nn.Module):
     """The DHEN-style click model: ``(dense (B, num_dense), sparse KJT) -> logits (B,)``.
 
@@ -324,26 +379,9 @@ class Dhen(nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        device = torch.device("cpu") if device is None else device
-        d = config.embedding_dim
         self.config = config
-        self.num_dense = num_dense
-        self.feature_names: Tuple[str, ...] = tuple(feature_names)
         self.embedding_bag_collection = embedding_bag_collection
-        self.dense_arch = (
-            nn.Sequential(*_mlp((num_dense,) + config.dense_hidden + (d,), device)) if num_dense else None
-        )
-        self.num_tokens = len(self.feature_names) + (1 if num_dense else 0)
-        self.layers = nn.ModuleList([DhenLayer(self.num_tokens, config, device) for _ in range(config.num_layers)])
-        from torchrec.modules.activation import SwishLayerNorm
-
-        head: List[nn.Module] = []
-        width = self.num_tokens * d
-        for hidden in config.head_hidden:
-            head += [nn.Linear(width, hidden, device=device), SwishLayerNorm(hidden, device=device)]
-            width = hidden
-        head.append(mark_prediction_layer(nn.Linear(width, 1, device=device)))
-        self.head = nn.Sequential(*head)
+        self.over_arch = DhenOverArch(feature_names, num_dense, config, device)
 
     def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
         """Click logits.
@@ -355,16 +393,7 @@ class Dhen(nn.Module):
         Returns:
             ``(B,)`` raw logits.
         """
-        if dense_features.dim() != 2 or dense_features.shape[1] != self.num_dense:
-            raise ValueError(f"dense_features must be (B, {self.num_dense}), got {tuple(dense_features.shape)}")
-        pooled = self.embedding_bag_collection(sparse_features).to_dict()
-        tokens = [pooled[name] for name in self.feature_names]
-        if self.dense_arch is not None:
-            tokens.insert(0, self.dense_arch(dense_features))
-        x = torch.stack(tokens, dim=1)  # (B, m, d)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x.reshape(x.shape[0], -1)).squeeze(-1)
+        return self.over_arch(dense_features, self.embedding_bag_collection(sparse_features))
 
 
 def build_dhen(

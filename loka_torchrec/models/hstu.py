@@ -46,7 +46,7 @@ from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
 from loka_torchrec.training.data_spec import DataSpec, TableSpec
 
-__all__ = ["HstuConfig", "JaggedLayout", "causal_silu_attention", "StuLayer", "Hstu", "build_hstu"]
+__all__ = ["HstuConfig", "JaggedLayout", "causal_silu_attention", "StuLayer", "HstuOverArch", "Hstu", "build_hstu"]
 
 
 def _positive_int(value: Any, field: str) -> None:
@@ -270,24 +270,27 @@ class StuLayer(nn.Module):
         return x + self.out(u * self.attention_norm(attended))
 
 
-class Hstu(nn.Module):
-    """The HSTU-style click model: ``(dense (B, num_dense), sparse KJT) -> logits (B,)``.
+class HstuOverArch(nn.Module):
+    """Everything after the embedding lookup: recency, STU layers, final norm, prediction head.
+
+    ``(dense (B, num_dense), looked-up sequences Dict[str, JaggedTensor]) -> logits (B,)``. It is
+    its own module so that the model's top-level ``forward`` is only "look up, then this", which
+    TorchRec's train pipelines trace with ``torch.fx`` (a module without sharded tables inside is
+    a leaf there, so the jagged bookkeeping here is never traced).
 
     Args:
-        embedding_collection: sequence tables, all ``config.embedding_dim`` wide.
         history_features: jagged history features (summed per token; equal lengths).
+        candidate_feature: the length-1 candidate feature.
         num_dense: dense features per sample (0: none).
         max_len: ``L``, the longest history.
         config: sizes.
-        device: for the dense parameters.
-
-    Build it with :func:`build_hstu`.
+        device: for the parameters.
     """
 
     def __init__(
         self,
-        embedding_collection: nn.Module,
         history_features: Sequence[str],
+        candidate_feature: str,
         num_dense: int,
         max_len: int,
         config: HstuConfig,
@@ -295,11 +298,9 @@ class Hstu(nn.Module):
     ) -> None:
         super().__init__()
         d = config.embedding_dim
-        self.config = config
         self.history_features: Tuple[str, ...] = tuple(history_features)
-        self.candidate_feature = config.candidate_feature
+        self.candidate_feature = candidate_feature
         self.num_dense, self.max_len = num_dense, max_len
-        self.embedding_collection = embedding_collection
         self.recency = nn.Embedding(max_len, d, device=device)
         nn.init.normal_(self.recency.weight, std=0.02)
         self.layers = nn.ModuleList(
@@ -324,20 +325,10 @@ class Hstu(nn.Module):
         head.append(mark_prediction_layer(nn.Linear(width, 1, device=device)))
         self.head = nn.Sequential(*head)
 
-    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
-        """Click logits.
-
-        Args:
-            dense_features: ``(B, num_dense)`` float.
-            sparse_features: ``KeyedJaggedTensor`` with the history feature(s) (each sample at
-                most ``max_len`` ids) and the candidate feature (exactly one id per sample).
-
-        Returns:
-            ``(B,)`` raw logits.
-        """
+    def forward(self, dense_features: torch.Tensor, embedded) -> torch.Tensor:
+        """``dense_features (B, num_dense)`` and ``feature -> JaggedTensor`` of embeddings -> ``(B,)``."""
         if dense_features.dim() != 2 or dense_features.shape[1] != self.num_dense:
             raise ValueError(f"dense_features must be (B, {self.num_dense}), got {tuple(dense_features.shape)}")
-        embedded = self.embedding_collection(sparse_features)
         history = embedded[self.history_features[0]]
         lengths = history.lengths()
         tokens = history.values()
@@ -351,6 +342,8 @@ class Hstu(nn.Module):
             tokens = tokens + other.values()
         candidate = embedded[self.candidate_feature]
         batch = dense_features.shape[0]
+        if lengths.shape[0] != batch:
+            raise ValueError(f"sparse_features: batch size {lengths.shape[0]} != dense_features batch {batch}")
         # One host sync for both checks: an over-long history would be written into the next
         # sample's padded row, and the candidate must be one id per sample.
         if bool(((lengths > self.max_len).any() | (candidate.lengths() != 1).any()).item()):
@@ -359,8 +352,6 @@ class Hstu(nn.Module):
                 f"{self.max_len} ids and every {self.candidate_feature!r} exactly one id; got history "
                 f"lengths up to {int(lengths.max())} and candidate lengths {sorted(set(candidate.lengths().tolist()))}"
             )
-        if lengths.shape[0] != batch:
-            raise ValueError(f"sparse_features: batch size {lengths.shape[0]} != dense_features batch {batch}")
         layout = JaggedLayout(lengths, self.max_len, num_tokens=tokens.shape[0])
         x = tokens + self.recency(layout.recency)
         for layer in self.layers:
@@ -371,6 +362,52 @@ class Hstu(nn.Module):
         if self.dense_arch is not None:
             features.append(self.dense_arch(dense_features))
         return self.head(torch.cat(features, dim=-1)).squeeze(-1)
+
+
+class Hstu(nn.Module):
+    """The HSTU-style click model: ``(dense (B, num_dense), sparse KJT) -> logits (B,)``.
+
+    Args:
+        embedding_collection: sequence tables, all ``config.embedding_dim`` wide.
+        history_features: jagged history features (summed per token; equal lengths).
+        num_dense: dense features per sample (0: none).
+        max_len: ``L``, the longest history.
+        config: sizes.
+        device: for the dense parameters.
+
+    Build it with :func:`build_hstu`.
+    """
+
+    def __init__(
+        self,
+        embedding_collection: nn.Module,
+        history_features: Sequence[str],
+        num_dense: int,
+        max_len: int,
+        config: HstuConfig,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding_collection = embedding_collection
+        self.over_arch = HstuOverArch(history_features, config.candidate_feature, num_dense, max_len, config, device)
+
+    @property
+    def max_len(self) -> int:
+        return self.over_arch.max_len
+
+    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
+        """Click logits.
+
+        Args:
+            dense_features: ``(B, num_dense)`` float.
+            sparse_features: ``KeyedJaggedTensor`` with the history feature(s) (each sample at
+                most ``max_len`` ids) and the candidate feature (exactly one id per sample).
+
+        Returns:
+            ``(B,)`` raw logits.
+        """
+        return self.over_arch(dense_features, self.embedding_collection(sparse_features))
 
 
 def _shared_tables(tables: Sequence[TableSpec]) -> Dict[str, List[TableSpec]]:
