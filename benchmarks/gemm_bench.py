@@ -137,9 +137,9 @@ def graph_time_ms(fn: Callable[[], Any], device: torch.device, *, rep_ms: int = 
 # ------------------------------------------------------------------------------------ candidates
 
 
-def recipe_named(name: str, role: GemmRole):
+def recipe_named(name: str, role: GemmRole, *, fast_accum: bool = False):
     base = RECIPE_ALIASES.get(name, name)
-    recipe = recipe_for(base, role)
+    recipe = recipe_for(base, role, fast_accum=fast_accum)
     return recipe if base == name else dataclasses.replace(recipe, name=name)
 
 
@@ -166,7 +166,7 @@ def role_operands(role: GemmRole, x, w, dy):
 # ------------------------------------------------------------------------------------ sections
 
 
-def bench_gemm(shape, cands, device, dtype, timing) -> Tuple[List[Dict[str, Any]], Dict[str, KernelChoice]]:
+def bench_gemm(shape, cands, device, dtype, timing, fast_accum=False) -> Tuple[List[Dict[str, Any]], Dict[str, KernelChoice]]:
     m, k, n = shape
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype) / math.sqrt(k)
@@ -180,7 +180,7 @@ def bench_gemm(shape, cands, device, dtype, timing) -> Tuple[List[Dict[str, Any]
         best = (KernelChoice("bf16", "hp"), 1.0)
         for choice in cands:
             backend = get_backend(choice.backend)
-            recipe = recipe_named(choice.recipe, role)
+            recipe = recipe_named(choice.recipe, role, fast_accum=fast_accum)
             record = dict(section="gemm", m=m, k=k, n=n, role=role.value, gemm=str(gshape), kernel=str(choice),
                           bf16=base.to_dict())  # fmt: skip
             reason = backend.check(recipe, gshape, device)
@@ -322,7 +322,8 @@ def markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
             "",
             "Speedup over bf16 `torch.mm` with quantization (GEMM alone in parentheses); the weight is "
             "quantized once outside the timing, activations and gradients inside it. `pick`: fastest at "
-            f">= {PICK_MIN_SPEEDUP}x, else bf16.",
+            f">= {PICK_MIN_SPEEDUP}x, else bf16. Accumulation: "
+            + ("fast (no promotion)." if meta.get("fast_accum") else "with promotion to fp32 (the recipes' default)."),
             "",
             "| M | K | N | role | bf16 ms | " + " | ".join(kernels) + " | pick |",
             "|" + "---|" * (6 + len(kernels)),
@@ -437,6 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--backends", default="", help="comma-separated subset (default: every available one)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-seconds", type=float, default=float("inf"), help="stop starting new shapes after this")
+    parser.add_argument("--fast-accum", action="store_true", help="per-role GEMMs with fast accumulation")
     parser.add_argument("--warmup-ms", type=int, default=10)
     parser.add_argument("--rep-ms", type=int, default=50)
     args = parser.parse_args(argv)
@@ -460,6 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         candidates=[str(c) for c in cands],
         unavailable=unavailable,
         timing=dict(timing, method="triton.testing.do_bench median, p20/p80" if device.type == "cuda" else "perf_counter"),
+        fast_accum=args.fast_accum,
         skipped_shapes=[],
     )
     base = os.path.join(args.out, f"{today}-{args.name}")
@@ -486,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         t0 = time.perf_counter()
         picks: Dict[str, KernelChoice] = {}
         if "gemm" in sections:
-            new, picks = bench_gemm(shape, cands, device, dtype, timing)
+            new, picks = bench_gemm(shape, cands, device, dtype, timing, fast_accum=args.fast_accum)
             rows += new
         if "linear" in sections:
             rows += bench_linear(shape, cands, picks, device, dtype, timing)

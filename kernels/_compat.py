@@ -11,9 +11,9 @@ launchers accept CPU tensors exactly when the kernels run in the interpreter.
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,8 +28,8 @@ __all__ = [
     "check_launch_device",
     "device_guard",
     "fp8_format",
-    "autotune_kwargs",
     "next_power_of_2",
+    "tracing",
 ]
 
 
@@ -80,13 +80,14 @@ def check_launch_device(t: torch.Tensor, name: str) -> None:
     raise ValueError(f"{name}: expected a {where} tensor, got one on {t.device}")
 
 
-def device_guard(t: torch.Tensor):
-    """``torch.cuda.device(t.device)`` for CUDA tensors (Triton launches on the current device)."""
-    if t.is_cuda:
-        return torch.cuda.device(t.device)
-    import contextlib
+_NO_GUARD = contextlib.nullcontext()
 
-    return contextlib.nullcontext()
+
+def device_guard(t: torch.Tensor):
+    """``torch.cuda.device(t.device)`` where ``t`` is not on the current device (Triton launches there)."""
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
 
 
 def fp8_format(fmt: "Fp8Format | str", *, field: str = "fmt") -> Fp8Format:
@@ -101,24 +102,11 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def autotune_kwargs(warmup_ms: int = 5, rep_ms: int = 20) -> Dict[str, Any]:
-    """Shorter benchmarking for ``triton.autotune`` where this Triton version allows it.
+def tracing() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (then kernels go through their custom ops).
 
-    The default autotuner benchmark (25 ms warm-up, 100 ms of repetitions per config) makes a
-    benchmark over many shapes spend most of its time tuning; a few ms per config separate the
-    configs of one GEMM well enough.
+    In eager mode the launchers are called directly: a ``torch.library`` op adds tens of
+    microseconds of dispatch per call, as much as a small GEMM takes on the GPU.
     """
-    if TRITON_IMPORT_ERROR is not None:
-        return {}
-    params = inspect.signature(triton.autotune).parameters
-    if "do_bench" in params:
-
-        def bench(kernel_call, quantiles):
-            from triton.testing import do_bench
-
-            return do_bench(kernel_call, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
-
-        return {"do_bench": bench}
-    if "warmup" in params and "rep" in params:
-        return {"warmup": warmup_ms, "rep": rep_ms}
-    return {}
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())

@@ -24,7 +24,7 @@ import torch
 
 from loka_torchrec.fp8 import AMAX_EPS, Fp8Format, Fp8Tensor, Granularity, quantize
 
-from ._compat import check_launch_device, device_guard, fp8_format, next_power_of_2, require_triton, tl, triton
+from ._compat import check_launch_device, device_guard, fp8_format, next_power_of_2, require_triton, tl, tracing, triton
 from .fp8_quantize import _saturate, _abs_bits, _scales_from_amax_bits
 
 __all__ = [
@@ -100,6 +100,10 @@ def _blocknorm_into(
             FMT_MAX=fmt.max, EPS=AMAX_EPS, POW2=bool(power_of_two), WRITE_HP=h is not None,
             NORM_BLOCK=norm_block, NUM_BLOCKS=block_n // norm_block, BLOCK_R=block_r, BLOCK_N=block_n,
             num_warps=4 if block_r * block_n <= 2048 else 8,
+            # Every multiply and add rounded on its own, as in torch: no contraction into FMAs, which
+            # the compiler may apply differently to the copies of h it keeps for the store and the
+            # quantization (the FP8 codes then missed the quantization of the stored h on an H100).
+            enable_fp_fusion=False,
         )  # fmt: skip
 
 
@@ -111,14 +115,17 @@ def _outputs(x: torch.Tensor, fmt: Fp8Format, hp_dtype: Optional[torch.dtype]):
     return q, dq, h
 
 
+def _blocknorm(x, block, eps, fmt: Fp8Format, power_of_two, return_hp, hp_dtype):
+    q, dq, h = _outputs(x, fmt, hp_dtype if return_hp else None)
+    _blocknorm_into(x, block, eps, fmt, power_of_two, q, dq, h if return_hp else None)
+    return q, dq, h
+
+
 @torch.library.custom_op("loka::blocknorm_hardswish_quantize", mutates_args=())
 def _blocknorm_op(
     x: torch.Tensor, block: int, eps: float, fmt: str, power_of_two: bool, return_hp: bool, hp_dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fmt_ = Fp8Format(fmt)
-    q, dq, h = _outputs(x, fmt_, hp_dtype if return_hp else None)
-    _blocknorm_into(x, block, eps, fmt_, power_of_two, q, dq, h if return_hp else None)
-    return q, dq, h
+    return _blocknorm(x, block, eps, Fp8Format(fmt), power_of_two, return_hp, hp_dtype)
 
 
 @_blocknorm_op.register_fake
@@ -184,7 +191,10 @@ def blocknorm_hardswish_quantize(
         return blocknorm_hardswish_quantize_reference(
             x, block=block, eps=eps, fmt=fmt, power_of_two=power_of_two, return_hp=return_hp, hp_dtype=hp_dtype
         )
-    q, dq, h = _blocknorm_op(x, int(block), float(eps), fmt.value, bool(power_of_two), bool(return_hp), hp_dtype)
+    if tracing():  # torch.compile sees the custom op; eager mode skips its dispatch
+        q, dq, h = _blocknorm_op(x, int(block), float(eps), fmt.value, bool(power_of_two), bool(return_hp), hp_dtype)
+    else:
+        q, dq, h = _blocknorm(x, int(block), float(eps), fmt, bool(power_of_two), bool(return_hp), hp_dtype)
     return Fp8Tensor(q, dq, fmt, Granularity.ROWWISE), (h if return_hp else None)
 
 

@@ -8,20 +8,23 @@ activation, all in float32 before the single rounding to the output dtype.
 * Accumulation is float32. Without ``fast_accum`` the tensor-core partial sums are promoted to the
   float32 accumulator after every ``BLOCK_K`` products (Hopper's FP8 MMA otherwise accumulates in
   reduced precision over the whole K loop); with ``fast_accum`` they are not.
-* Any shape: loads are masked along K, rows and columns past M and N are clamped on load and
+* Any shape: loads are masked along K, rows and columns past M and N re-read valid ones and are
   masked on store, so nothing needs to be a multiple of the block sizes.
 * Any strides: a transposed view (e.g. ``Fp8Tensor.t()`` of a tensorwise operand) is read in place.
-* Tile sizes are autotuned per ``(M bucket, N, K)`` over configs chosen for LRM shapes (K, N in
-  256..4096, M in 2k..64k). When the output has too few tiles to fill the GPU and K is long
-  (the grad-weight GEMM of small layers, K = batch rows) the K loop is split over several programs
-  whose float32 partials are summed, deterministically, by a second small kernel.
+* Tile sizes are autotuned per ``(M bucket, N, K)`` (and flags, dtypes, layouts) over configs
+  chosen for LRM shapes (K, N in 256..4096, M in 2k..64k): the first call of a shape times each
+  candidate on the real operands and keeps the fastest; GEMMs under 4 GFLOP, whose time is launch
+  overhead, take the largest tile that still fills the GPU.
+* When the output has too few tiles to fill the GPU and K is long (the grad-weight GEMM of small
+  layers, K = batch rows) the K loop is split over several programs whose float32 partials are
+  summed, deterministically, by a second small kernel.
 
 :func:`fp8_gemm_reference` is the same computation in plain torch (float32), and
 :func:`fp8_mm` the entry point for two :class:`~loka_torchrec.fp8.Fp8Tensor` operands.
 """
 
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -29,12 +32,12 @@ from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity
 
 from ._compat import (
     INTERPRET,
-    autotune_kwargs,
     check_launch_device,
     device_guard,
     next_power_of_2,
     require_triton,
     tl,
+    tracing,
     triton,
 )
 
@@ -46,6 +49,8 @@ __all__ = [
     "fp8_gemm_reference",
     "fp8_gemm_error_bound",
     "split_k_for",
+    "candidate_configs",
+    "heuristic_config",
 ]
 
 ACTIVATIONS = ("none", "relu", "hardswish")
@@ -58,7 +63,7 @@ _SPLIT_K_WORKSPACE_ELEMENTS = 1 << 24  # 64 MiB of float32 partials at most
 
 
 class GemmConfig(NamedTuple):
-    """An explicit tile configuration, bypassing the autotuner (tests, the interpreter)."""
+    """A tile configuration of the GEMM kernel."""
 
     block_m: int
     block_n: int
@@ -66,39 +71,57 @@ class GemmConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
 
+    @property
+    def accumulator_registers(self) -> int:
+        """float32 accumulator registers per thread."""
+        return self.block_m * self.block_n // (32 * self.num_warps)
+
 
 # Tiles for FP8 on Hopper-class GPUs: K tiles of 128 (four 32-deep FP8 MMAs per promotion), wide
-# N/M tiles for the large GEMMs, 64-wide ones so that LRM shapes (N = 256..1024) still fill 132 SMs.
+# tiles for the large GEMMs, 64-wide ones so that LRM shapes (N = 256..1024) still fill 132 SMs,
+# 64-deep ones for short K.
 _CONFIGS = [
-    ((128, 256, 128), 8, 3),
-    ((256, 128, 128), 8, 3),
-    ((128, 128, 128), 8, 4),
-    ((128, 128, 128), 4, 3),
-    ((128, 64, 128), 4, 4),
-    ((64, 128, 128), 4, 4),
-    ((64, 64, 128), 4, 4),
-    ((128, 128, 64), 4, 5),
+    GemmConfig(128, 256, 128, 8, 3),
+    GemmConfig(256, 128, 128, 8, 3),
+    GemmConfig(128, 128, 128, 8, 4),
+    GemmConfig(128, 128, 128, 8, 3),
+    GemmConfig(128, 128, 128, 4, 4),
+    GemmConfig(128, 64, 128, 4, 4),
+    GemmConfig(64, 128, 128, 4, 4),
+    GemmConfig(64, 64, 128, 4, 4),
+    GemmConfig(128, 128, 64, 8, 5),
+    GemmConfig(64, 64, 64, 4, 4),
 ]
+_MAX_PRECISE_ACCUMULATOR_REGISTERS = 64
+_TUNE_MIN_FLOPS = 4e9  # below this a GEMM takes microseconds: launch overhead decides, not the tile
+_TUNED: Dict[Tuple, GemmConfig] = {}
 
 
-def _autotune_configs():
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for (bm, bn, bk), w, s in _CONFIGS
-    ]
+def candidate_configs(m: int, n: int, k: int, *, fast_accum: bool) -> List[GemmConfig]:
+    """The tile configs worth trying for an ``(M, N, K)`` GEMM.
 
-
-def _prune_configs(configs, named_args, **kwargs):
-    """Drop tiles far larger than the problem (they only add masked work)."""
-    m, n, k = named_args["M"], named_args["N"], named_args["K"]
+    Tiles much larger than the problem only add masked work. Without ``fast_accum`` the promotion
+    keeps a second accumulator as large as the first, so tiles whose accumulator already takes
+    more than 64 registers per thread would spill.
+    """
     keep = [
         c
-        for c in configs
-        if c.kwargs["BLOCK_M"] <= max(64, next_power_of_2(m))
-        and c.kwargs["BLOCK_N"] <= max(64, next_power_of_2(n))
-        and c.kwargs["BLOCK_K"] <= max(64, next_power_of_2(k))
+        for c in _CONFIGS
+        if c.block_m <= max(64, next_power_of_2(m))
+        and c.block_n <= max(64, next_power_of_2(n))
+        and c.block_k <= max(64, next_power_of_2(k))
+        and (fast_accum or c.accumulator_registers <= _MAX_PRECISE_ACCUMULATOR_REGISTERS)
     ]
-    return keep or configs[-1:]
+    return keep or [GemmConfig(64, 64, 64, 4, 4)]
+
+
+def heuristic_config(m: int, n: int, split_k: int, num_sms: int, configs: List[GemmConfig]) -> GemmConfig:
+    """The largest tile that still gives every SM a program (the smallest tile where none does)."""
+    by_area = sorted(configs, key=lambda c: -c.block_m * c.block_n)
+    for c in by_area:
+        if -(-m // c.block_m) * -(-n // c.block_n) * split_k >= num_sms:
+            return c
+    return by_area[-1]
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -202,20 +225,6 @@ def _split_k_epilogue_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-_gemm_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_fp8_gemm_kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def _autotuned_gemm_kernel():
-    # Built on first use, so importing this module never touches the autotuner.
-    return triton.autotune(
-        configs=_autotune_configs(),
-        key=["m_key", "N", "K", "SPLIT_K", "HAS_BIAS", "ACTIVATION", "FAST_ACCUM"],
-        prune_configs_by={"early_config_prune": _prune_configs},
-        **autotune_kwargs(),
-    )(_gemm_kernel)
-
-
 # ------------------------------------------------------------------------------------ launcher
 
 
@@ -268,8 +277,9 @@ def _gemm_into(
         acc = torch.zeros((m, n), dtype=torch.float32, device=out.device)
         out.copy_(_epilogue_reference(acc, bias, activation))
         return out
+    num_sms = 1 if (INTERPRET or not a.is_cuda) else _num_sms(a.device.index or 0)
     if split_k is None:
-        split_k = 1 if (INTERPRET or not a.is_cuda) else split_k_for(m, n, k, _num_sms(a.device.index or 0))
+        split_k = 1 if num_sms == 1 else split_k_for(m, n, k, num_sms)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split_k > 1 else out
     act = ACTIVATIONS.index(activation)
     args = (
@@ -278,19 +288,26 @@ def _gemm_into(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), stride_as, stride_bs,
     )  # fmt: skip
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=act, FAST_ACCUM=bool(fast_accum), SPLIT_K=split_k, GROUP_M=8)
-    if config is None and INTERPRET:
-        config = GemmConfig(32, 32, 32, 4, 1)  # the interpreter cannot benchmark; small tiles are quick there
+
+    def launch(c: GemmConfig) -> None:
+        grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), split_k)
+        _fp8_gemm_kernel[grid](
+            *args, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            num_warps=c.num_warps, num_stages=c.num_stages, **flags,
+        )  # fmt: skip
+
     with device_guard(a):
-        if config is not None:
-            bm, bn, bk, warps, stages = config
-            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split_k)
-            _gemm_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **flags)
-        else:
-
-            def grid(meta):
-                return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split_k)
-
-            _autotuned_gemm_kernel()[grid](*args, **flags)
+        if config is None:
+            if INTERPRET:
+                config = GemmConfig(32, 32, 32, 4, 1)  # the interpreter cannot time configs; small tiles are quick there
+            else:
+                key = (a.device.index, args[10], n, k, split_k, bias is not None, act, bool(fast_accum),
+                       a.dtype, b.dtype, out.dtype, a.stride(1) == 1, b.stride(1) == 1)  # fmt: skip
+                config = _TUNED.get(key)
+                if config is None:
+                    config = _tune(launch, m, n, k, split_k, num_sms, bool(fast_accum))
+                    _TUNED[key] = config
+        launch(config)
         if split_k > 1:
             grid2 = (triton.cdiv(m, 64), triton.cdiv(n, 64))
             _split_k_epilogue_kernel[grid2](
@@ -298,6 +315,29 @@ def _gemm_into(
                 SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_M=64, BLOCK_N=64, num_warps=4,
             )  # fmt: skip
     return out
+
+
+def _tune(launch, m: int, n: int, k: int, split_k: int, num_sms: int, fast_accum: bool) -> GemmConfig:
+    """Time each candidate tile on the real operands (once per shape key) and keep the fastest.
+
+    Small GEMMs are not timed: their run time is launch overhead whatever the tile, so the tile
+    that fills the GPU is taken.
+    """
+    configs = candidate_configs(m, n, k, fast_accum=fast_accum)
+    fallback = heuristic_config(m, n, split_k, num_sms, configs)
+    if len(configs) == 1 or 2.0 * m * n * k < _TUNE_MIN_FLOPS:
+        return fallback
+    from triton.testing import do_bench
+
+    best, best_ms = fallback, float("inf")
+    for c in configs:
+        try:
+            ms = do_bench(lambda: launch(c), warmup=2, rep=10)
+        except Exception:  # a tile that does not compile here (shared memory, registers) is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = c, ms
+    return best
 
 
 @torch.library.custom_op("loka::fp8_gemm", mutates_args=())
@@ -311,6 +351,10 @@ def _fp8_gemm_op(
     out_dtype: torch.dtype,
     fast_accum: bool,
 ) -> torch.Tensor:
+    return _gemm(a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum)
+
+
+def _gemm(a, b, a_scale, b_scale, bias, activation, out_dtype, fast_accum) -> torch.Tensor:
     out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
     return _gemm_into(a, b, a_scale, b_scale, bias, activation, fast_accum, out)
 
@@ -381,7 +425,9 @@ def fp8_gemm(
         torch.Size([4096, 512])
     """
     _check_gemm_inputs(a, b, a_scale, b_scale, bias, activation, out_dtype)
-    return _fp8_gemm_op(a, b, a_scale, b_scale, bias, activation, out_dtype, bool(fast_accum))
+    if tracing():  # torch.compile sees the custom op; eager mode skips its dispatch
+        return _fp8_gemm_op(a, b, a_scale, b_scale, bias, activation, out_dtype, bool(fast_accum))
+    return _gemm(a, b, a_scale, b_scale, bias, activation, out_dtype, bool(fast_accum))
 
 
 def fp8_mm(
@@ -430,6 +476,11 @@ def fp8_gemm_reference(
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """What :func:`fp8_gemm` computes, in plain torch: exact FP8 products summed in ``compute_dtype``.
+
+    Args:
+        a, b, a_scale, b_scale, bias, activation, out_dtype: as for :func:`fp8_gemm`.
+        compute_dtype: dtype of the sums and the epilogue (float32 as the kernel; float64 for an
+            exact reference of the same FP8 operands).
 
     Example::
 

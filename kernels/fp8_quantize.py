@@ -41,6 +41,7 @@ from ._compat import (
     next_power_of_2,
     require_triton,
     tl,
+    tracing,
     triton,
 )
 
@@ -160,38 +161,41 @@ def _quantize_tiles_kernel(
                 tl.store(dq_ptr, dequant)
             if WRITE_COL:
                 tl.store(dqt_ptr, dequant)
-        q = _saturate(x * scale, FMT_MAX)
-        if WRITE_ROW:
-            tl.store(q_ptr + rows64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        if WRITE_COL:
-            tl.store(qt_ptr + cols64[None, :] * R + rows[:, None], q.to(qt_ptr.dtype.element_ty), mask=mask)
-    else:
-        if WRITE_ROW:
+    if WRITE_ROW:
+        if MODE == 0:
+            row_scale = tl.zeros((BLOCK_R,), dtype=tl.float32) + scale
+        else:
             if MODE == 1:
                 row_bits = tl.load(row_amax_ptr + rows, mask=row_ok, other=0)
             else:
                 row_bits = tl.max(_abs_bits(x), axis=1)
-            scale, dequant = _scales_from_amax_bits(row_bits, FMT_MAX, EPS, POW2)
-            q = _saturate(x * scale[:, None], FMT_MAX)
-            tl.store(q_ptr + rows64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+            row_scale, row_dequant = _scales_from_amax_bits(row_bits, FMT_MAX, EPS, POW2)
             if MODE == 1:
                 if pid_c == 0:
-                    tl.store(dq_ptr + rows, dequant, mask=row_ok)
+                    tl.store(dq_ptr + rows, row_dequant, mask=row_ok)
             else:
-                tl.store(dq_ptr + rows64 * stride_dq + pid_c, dequant, mask=row_ok)
-        if WRITE_COL:
+                tl.store(dq_ptr + rows64 * stride_dq + pid_c, row_dequant, mask=row_ok)
+        q = _saturate(x * row_scale[:, None], FMT_MAX)
+        tl.store(q_ptr + rows64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if WRITE_COL:
+        # Computed on its own even for one global scale: with one FP8 tile feeding both the
+        # row-major and the transposed store, the transposed codes failed the bit-exactness test on
+        # an H100 (Triton 3.6); the per-row and per-block modes, computed this way, were exact.
+        if MODE == 0:
+            col_scale = tl.zeros((BLOCK_C,), dtype=tl.float32) + scale
+        else:
             if MODE == 1:
                 col_bits = tl.load(col_amax_ptr + cols, mask=col_ok, other=0)
             else:
                 col_bits = tl.max(_abs_bits(x), axis=0)
-            scale_t, dequant_t = _scales_from_amax_bits(col_bits, FMT_MAX, EPS, POW2)
-            qt = _saturate(x * scale_t[None, :], FMT_MAX)
-            tl.store(qt_ptr + cols64[None, :] * R + rows[:, None], qt.to(qt_ptr.dtype.element_ty), mask=mask)
+            col_scale, col_dequant = _scales_from_amax_bits(col_bits, FMT_MAX, EPS, POW2)
             if MODE == 1:
                 if pid_r == 0:
-                    tl.store(dqt_ptr + cols, dequant_t, mask=col_ok)
+                    tl.store(dqt_ptr + cols, col_dequant, mask=col_ok)
             else:
-                tl.store(dqt_ptr + cols64 * stride_dqt + pid_r, dequant_t, mask=col_ok)
+                tl.store(dqt_ptr + cols64 * stride_dqt + pid_r, col_dequant, mask=col_ok)
+        qt = _saturate(x * col_scale[None, :], FMT_MAX)
+        tl.store(qt_ptr + cols64[None, :] * R + rows[:, None], qt.to(qt_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------ launcher
@@ -267,12 +271,10 @@ def _quantize_into(
             )  # fmt: skip
             return
         tensor = granularity == Granularity.TENSORWISE
-        if tensor:
-            row_amax = torch.zeros(1, dtype=torch.int32, device=s.device)
-            col_amax = row_amax
-        else:
-            row_amax = torch.zeros(rows if write_row else 1, dtype=torch.int32, device=s.device)
-            col_amax = torch.zeros(cols if write_col else 1, dtype=torch.int32, device=s.device)
+        # One zeroed buffer (one memset) holds the per-row and per-column (or the global) amax bits.
+        n_row = 1 if tensor or not write_row else rows
+        amax_bits = torch.zeros(n_row + (0 if tensor or not write_col else cols), dtype=torch.int32, device=s.device)
+        row_amax, col_amax = amax_bits, amax_bits[n_row:] if (write_col and not tensor) else amax_bits
         grid = (triton.cdiv(rows, _TILE), _column_tiles(cols, _TILE, x))
         _amax_tiles_kernel[grid](
             s, row_amax, col_amax, rows, cols, s.stride(0), s.stride(1),
@@ -300,14 +302,24 @@ def _empty_outputs(x: torch.Tensor, fmt: Fp8Format, granularity: Granularity, bl
     return q, dq, qt, dqt
 
 
+def _quantize(x: torch.Tensor, fmt: Fp8Format, granularity: Granularity, block_k: int, power_of_two: bool, transpose: bool):
+    q, dq, qt, dqt = _empty_outputs(x, fmt, granularity, block_k, transpose)
+    _quantize_into(x, fmt, granularity, block_k, power_of_two, q, dq, qt if transpose else None, dqt if transpose else None)
+    return q, dq, qt, dqt
+
+
 @torch.library.custom_op("loka::fp8_quantize", mutates_args=())
 def _fp8_quantize_op(
     x: torch.Tensor, fmt: str, granularity: str, block_k: int, power_of_two: bool, transpose: bool
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    fmt_, granularity_ = Fp8Format(fmt), Granularity(granularity)
-    q, dq, qt, dqt = _empty_outputs(x, fmt_, granularity_, block_k, transpose)
-    _quantize_into(x, fmt_, granularity_, block_k, power_of_two, q, dq, qt if transpose else None, dqt if transpose else None)
-    return q, dq, qt, dqt
+    return _quantize(x, Fp8Format(fmt), Granularity(granularity), block_k, power_of_two, transpose)
+
+
+def _run(x: torch.Tensor, fmt: Fp8Format, granularity: Granularity, block_k: int, power_of_two: bool, transpose: bool):
+    """The custom op while torch.compile traces (it sees through nothing else); the launcher otherwise."""
+    if tracing():
+        return _fp8_quantize_op(x, fmt.value, granularity.value, int(block_k), bool(power_of_two), transpose)
+    return _quantize(x, fmt, granularity, int(block_k), bool(power_of_two), transpose)
 
 
 @_fp8_quantize_op.register_fake
@@ -379,7 +391,7 @@ def fp8_quantize(
     x, fmt, granularity = _check_input(x, fmt, granularity, block_k, name)
     if x.numel() == 0:  # nothing to launch; the reference defines the scales of empty groups
         return fp8_quantize_reference(x, fmt, granularity, block_k=block_k, power_of_two=power_of_two)
-    q, dq, _, _ = _fp8_quantize_op(x, fmt.value, granularity.value, int(block_k), bool(power_of_two), False)
+    q, dq, _, _ = _run(x, fmt, granularity, block_k, power_of_two, False)
     return _as_fp8_tensor(q, dq, fmt, granularity, block_k)
 
 
@@ -404,7 +416,7 @@ def fp8_quantize_with_transpose(
     x, fmt, granularity = _check_input(x, fmt, granularity, block_k, name)
     if x.numel() == 0:
         return fp8_quantize_with_transpose_reference(x, fmt, granularity, block_k=block_k, power_of_two=power_of_two)
-    q, dq, qt, dqt = _fp8_quantize_op(x, fmt.value, granularity.value, int(block_k), bool(power_of_two), True)
+    q, dq, qt, dqt = _run(x, fmt, granularity, block_k, power_of_two, True)
     return _as_fp8_tensor(q, dq, fmt, granularity, block_k), _as_fp8_tensor(qt, dqt, fmt, granularity, block_k)
 
 

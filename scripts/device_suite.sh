@@ -8,9 +8,10 @@
 #     export PYTHONPATH=/tmp/site && bash scripts/device_suite.sh
 #
 # Every step runs under a time limit taken from one overall deadline, and a failing or timed-out
-# step never stops the next one. What comes back in $OUT (4 files):
+# step never stops the next one. What comes back in $OUT (at most 6 files):
 #   summary.txt                    each step's exit status, duration and last lines
 #   <date>-gemm-bench.json / .md   the benchmark (device, date, versions and command inside)
+#   <date>-gemm-bench-fast-accum.json / .md   the target shapes with fast accumulation, time allowing
 #   device-suite-logs.tar.gz       full logs, JUnit XML of the test runs
 #
 # Settings (environment): OUT (default ./device-out), SUITE_DEADLINE_S (total seconds, default 450),
@@ -110,6 +111,14 @@ BENCH_LIMIT=$(( $(remaining) - 25 ))
 # The benchmark stops starting new shapes 45 s before its limit, so it ends with its files written.
 run_step gemm_bench "$BENCH_LIMIT" $PYP benchmarks/gemm_bench.py --out "$WORK/bench" \
   --max-seconds $(( BENCH_LIMIT > 60 ? BENCH_LIMIT - 45 : 15 )) --warmup-ms 5 --rep-ms 25 ${SUITE_BENCH_ARGS:-}
+
+# With time left: the target shapes again with fast accumulation (the kernels' ceiling).
+FAST_LIMIT=$(( $(remaining) - 30 ))
+if [ "$FAST_LIMIT" -gt 60 ]; then
+  run_step gemm_bench_fast_accum "$FAST_LIMIT" $PYP benchmarks/gemm_bench.py --out "$WORK/bench" \
+    --name gemm-bench-fast-accum --sections gemm --fast-accum --shapes 8192x2048x2048,32768x4096x4096,8192x1024x1024 \
+    --max-seconds $(( FAST_LIMIT - 30 )) --warmup-ms 5 --rep-ms 25
+fi
 
 cp "$WORK"/bench/*.json "$WORK"/bench/*.md "$OUT/" 2>/dev/null
 echo "=== total: $(( ${SUITE_DEADLINE_S:-450} - $(remaining) ))s" | tee -a "$SUMMARY"

@@ -143,10 +143,11 @@ def _assert_gemm_exact_up_to_rounding(out, a: Fp8Tensor, b: Fp8Tensor, bias, act
     err = (out.double() - ref).abs()
     assert not out.isnan().any(), "unwritten (poisoned) output elements"
     assert torch.all(err <= bound), f"max error {err.max().item():.3g}"
-    # The statistic: well inside the worst case, limited by the output rounding.
+    # The statistic, far inside the worst case: output rounding plus the FP8 tensor cores' own
+    # accumulation within a promotion interval (about 2**-12 relative on an H100: 3.3e-4 at K = 50).
     rel_fro = float(torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref).clamp(min=1e-30))
     if not fast_accum:
-        assert rel_fro <= 2 * out_u + 2.0**-12, rel_fro
+        assert rel_fro <= 2 * out_u + 2.0**-10, rel_fro
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
@@ -184,10 +185,9 @@ def test_gemm_every_tile_config_and_strided_operands():
     a = fp8_quantize_reference(_fresh(m, k, torch.bfloat16), "e4m3", "rowwise")
     b = fp8_quantize_reference(_fresh(n, k, torch.bfloat16), "e4m3", "tensorwise")
     b_col_major = b.data.t().contiguous().t()
-    for (bm, bn, bk), warps, stages in _CONFIGS:
+    for config in _CONFIGS:
         out = _poisoned((m, n), torch.bfloat16)
-        _gemm_into(a.data, b_col_major, a.dequant_scale, b.dequant_scale, None, "none", False, out,
-                   config=GemmConfig(bm, bn, bk, warps, stages))  # fmt: skip
+        _gemm_into(a.data, b_col_major, a.dequant_scale, b.dequant_scale, None, "none", False, out, config=config)
         _assert_gemm_exact_up_to_rounding(out, a, b, None, "none")
 
 
@@ -213,8 +213,34 @@ def test_fused_quantize_and_gemm_against_float64():
 # ---------------------------------------------------------------------------------- BlockNorm
 
 
-def test_blocknorm_hardswish_quantize_exact_on_its_own_h():
-    for rows, n, block in [(1, 16, 256), (77, 300, 256), (4096, 1024, 256), (513, 2048, 128), (64, 8192, 256)]:
+def _assert_codes_at_most_float32_ties_apart(got: Fp8Tensor, ref: Fp8Tensor, h: torch.Tensor):
+    """``got`` quantizes ``h`` as ``ref`` does, up to float32 rounding of ``h`` itself.
+
+    Scales agree to a few float32 ulps; a code may differ from the reference only by one FP8 step,
+    and only where the exactly scaled value sits within float32 rounding of the midpoint between
+    the two codes (so that an ulp of ``h`` decides the rounding); at most 0.1% of codes do.
+    """
+    assert got.data.shape == ref.data.shape and got.dequant_scale.shape == ref.dequant_scale.shape
+    assert torch.allclose(got.dequant_scale, ref.dequant_scale, rtol=2.0**-20, atol=0)
+    k, r = got.data.double(), ref.data.double()
+    scale = (1.0 / ref.dequant_scale.double()).expand_as(r)
+    scaled = (h.double() * scale).clamp(-ref.fmt.max, ref.fmt.max)
+    differ = k != r
+    midpoint = (k + r) / 2
+    near_tie = (scaled - midpoint).abs() <= 2.0**-20 * scaled.abs()
+    larger = torch.maximum(k.abs(), r.abs()).clamp(min=ref.fmt.smallest_subnormal)
+    step = torch.exp2(torch.floor(torch.log2(larger)) - ref.fmt.mantissa_bits).clamp(min=ref.fmt.smallest_subnormal)
+    one_step = (k - r).abs() <= step
+    bad = differ & ~(near_tie & one_step)
+    assert not bad.any(), f"{int(bad.sum())} codes differ beyond float32 rounding, e.g. {k[bad][:4].tolist()} vs {r[bad][:4].tolist()}"
+    assert differ.double().mean() <= 1e-3
+
+
+BLOCKNORM_SHAPES = [(1, 16, 256), (77, 300, 256), (4096, 1024, 256), (513, 2048, 128), (64, 8192, 256)]
+
+
+def test_blocknorm_hardswish_quantize_against_reference():
+    for rows, n, block in BLOCKNORM_SHAPES:
         x = _fresh(rows, n, torch.bfloat16)
         fmt = Fp8Format.E4M3
         q, dq = _poisoned((rows, n), fmt.dtype), _poisoned((rows, 1), torch.float32)
@@ -223,10 +249,12 @@ def test_blocknorm_hardswish_quantize_exact_on_its_own_h():
         h_ref = blocknorm_hardswish_reference(x, block=block)
         # Sums of squares are ordered differently from torch's: float32 rounding only.
         assert torch.allclose(h, h_ref, rtol=2e-6 * math.sqrt(block), atol=1e-6)
-        assert_bitwise(Fp8Tensor(q, dq, fmt, Granularity.ROWWISE), fp8_quantize_reference(h, fmt, "rowwise"))
+        assert not q.float().isnan().any() and not dq.isnan().any()
+        ref = fp8_quantize_reference(h, fmt, "rowwise")
+        _assert_codes_at_most_float32_ties_apart(Fp8Tensor(q, dq, fmt, Granularity.ROWWISE), ref, h)
         hq, hp = blocknorm_hardswish_quantize(x, block=block, return_hp=True)
-        assert hp.dtype == torch.bfloat16 and torch.equal(hp, h.to(torch.bfloat16))
-        assert torch.equal(hq.data.view(torch.uint8), q.view(torch.uint8))
+        assert hp.dtype == torch.bfloat16 and torch.allclose(hp.float(), h, rtol=2.0**-8, atol=0)
+        _assert_codes_at_most_float32_ties_apart(hq, ref, h)
 
 
 # ---------------------------------------------------------------------------------- compile

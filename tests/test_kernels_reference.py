@@ -17,7 +17,15 @@ from loka_torchrec.kernels.blocknorm_hardswish_quantize import (
     blocknorm_reference,
     hardswish_reference,
 )
-from loka_torchrec.kernels.fp8_gemm import fp8_gemm, fp8_gemm_error_bound, fp8_gemm_reference, fp8_mm, split_k_for
+from loka_torchrec.kernels.fp8_gemm import (
+    candidate_configs,
+    fp8_gemm,
+    fp8_gemm_error_bound,
+    fp8_gemm_reference,
+    fp8_mm,
+    heuristic_config,
+    split_k_for,
+)
 from loka_torchrec.kernels.fp8_quantize import (
     fp8_quantize,
     fp8_quantize_reference,
@@ -170,6 +178,27 @@ def test_gemm_error_bound_holds_for_the_emulated_gemm():
             out_dtype=torch.float64, accum_eps=0.0,
         )  # fmt: skip
         assert torch.all((got - x.double() @ w.double().t()).abs() <= bound)
+
+
+def test_candidate_tiles_fit_the_problem_and_the_registers():
+    precise = candidate_configs(8192, 4096, 4096, fast_accum=False)
+    fast = candidate_configs(8192, 4096, 4096, fast_accum=True)
+    # Precise accumulation keeps a second accumulator: tiles above 64 registers per thread are out.
+    assert precise and all(c.accumulator_registers <= 64 for c in precise)
+    assert set(precise) < set(fast) and any(c.accumulator_registers > 64 for c in fast)
+    small = candidate_configs(40, 24, 50, fast_accum=True)
+    assert small and all(c.block_m <= 64 and c.block_n <= 64 and c.block_k <= 64 for c in small)
+
+
+def test_heuristic_tile_fills_the_gpu_when_it_can():
+    configs = candidate_configs(32768, 4096, 4096, fast_accum=False)
+    largest = max(c.block_m * c.block_n for c in configs)
+    big = heuristic_config(32768, 4096, 1, 132, configs)
+    assert big.block_m * big.block_n == largest
+    mid = heuristic_config(2048, 2048, 1, 132, configs)
+    assert -(-2048 // mid.block_m) * -(-2048 // mid.block_n) >= 132
+    tiny = heuristic_config(256, 256, 1, 132, configs)  # nothing fills 132 SMs: the smallest tile
+    assert tiny.block_m * tiny.block_n == min(c.block_m * c.block_n for c in configs)
 
 
 def test_split_k_only_for_long_k_and_few_tiles():

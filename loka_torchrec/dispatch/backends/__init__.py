@@ -14,6 +14,7 @@ from loka_torchrec.dispatch.backends.base import (
     register_backend,
 )
 from loka_torchrec.dispatch.backends import high_precision, emulated, scaled_mm  # noqa: F401  (registers)
+from loka_torchrec.dispatch.backends import fbgemm, transformer_engine, triton  # noqa: F401  (registers; lazy imports)
 
 __all__ = [
     "Availability",
