@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -63,8 +62,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_steps(model, opt, batches, device, probe=None, start=0) -> List[float]:
-    """Times (ms) of each step, ``probe.on_step_end`` included."""
+def run_steps(model, opt, batches, device, probe=None, start=0, callback_times=None) -> List[float]:
+    """Times (ms) of each step, ``probe.on_step_end`` included (its own time also goes to ``callback_times``)."""
     times = []
     for i, x in enumerate(batches):
         step = start + i
@@ -74,7 +73,10 @@ def run_steps(model, opt, batches, device, probe=None, start=0) -> List[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if probe is not None:
+            t1 = time.perf_counter()
             probe.on_step_end(step)
+            if callback_times is not None:
+                callback_times.append((time.perf_counter() - t1) * 1e3)
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return times
@@ -100,8 +102,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=None, help="rows per step (default: 8192 on CUDA, 1024 on CPU)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per phase")
-    parser.add_argument("--direct-steps", type=int, default=400, help="steps of the direct default-cadence run (0: skip)")
+    parser.add_argument("--steps", type=int, default=20, help="probe steps timed per phase (as many plain steps interleave)")
+    parser.add_argument("--direct-steps", type=int, default=None, help="steps of a direct run at the default cadence (default: 1000 on CUDA, 0 = skip on CPU)")
     parser.add_argument("--run-lengths", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -114,45 +116,45 @@ def main(argv=None) -> int:
     n = args.steps
     run_steps(model, opt, make_batches(5, batch, device, dtype), device)  # warm-up of the device and allocator
     base = run_steps(model, opt, make_batches(n, batch, device, dtype), device)
-    t_step = statistics.median(base)
 
     with tempfile.TemporaryDirectory() as run_dir:
-        # warm-up probe steps, the evaluation, then monitoring probe steps: every step probes
-        warm = max(3, n // 2)
-        cfg = ProbeConfig(enabled=True, every=1, warmup_steps=warm, every_after=1)
+        # Even steps probe, odd steps do not: every probe step has plain neighbours measured in the
+        # same stretch of time, so drifting machine load cancels out. The plan is at the end of
+        # the last (odd) warm-up step, 2n - 1.
+        cfg = ProbeConfig(enabled=True, every=2, warmup_steps=2 * n, every_after=2)
         probe = ProbeCallback(model, cfg, run_dir=run_dir)
-        times = run_steps(model, opt, make_batches(warm + n, batch, device, dtype), device, probe)
+        callback_ms: List[float] = []
+        times = run_steps(model, opt, make_batches(4 * n, batch, device, dtype), device, probe, callback_times=callback_ms)
         probe.close()
-        warm_times, plan_time, monitor_times = times[: warm - 1], times[warm - 1], times[warm:]
         seconds = dict(probe.seconds)
-        # idle steps: enabled, outside every probe step
-        cfg_idle = ProbeConfig(enabled=True, every=10**9, warmup_steps=1, every_after=0)
-        idle_probe = ProbeCallback(model, cfg_idle, run_dir=run_dir)
-        idle_probe.on_step_end(0)  # step 0 (the only probe step) and the plan happen here
-        idle = run_steps(model, opt, make_batches(n, batch, device, dtype), device, idle_probe, start=1)
-        idle_probe.close()
+    plan_step = 2 * n - 1
+    med = statistics.median
+    plain_warm = med(times[s] for s in range(1, plan_step, 2))
+    plain_mon = med(times[s] for s in range(plan_step + 2, 4 * n, 2))
+    t_step = med([times[s] for s in range(1, 4 * n, 2) if s != plan_step])
     c = {
-        "warm": statistics.median(warm_times) - t_step,
-        "eval": plan_time - statistics.median(warm_times),
-        "monitor": statistics.median(monitor_times) - t_step,
-        "idle": statistics.median(idle) - t_step,
+        "warm": med(times[s] for s in range(0, plan_step, 2)) - plain_warm,
+        "eval": times[plan_step] - plain_warm,
+        "monitor": med(times[s] for s in range(plan_step + 1, 4 * n, 2)) - plain_mon,
+        "idle": med(callback_ms[s] for s in range(1, 4 * n, 2) if s != plan_step),  # on_step_end without probing
     }
     predicted = {L: default_cadence_overhead(t_step, c, L) for L in args.run_lengths}
 
     direct = None
-    if args.direct_steps:
-        batches = make_batches(args.direct_steps, batch, device, dtype, seed=1)
+    direct_steps = args.direct_steps if args.direct_steps is not None else (1000 if device.type == "cuda" else 0)
+    if direct_steps:
+        batches = make_batches(direct_steps, batch, device, dtype, seed=1)
         plain = sum(run_steps(model, opt, batches, device))
         with tempfile.TemporaryDirectory() as run_dir:
             probe = ProbeCallback(model, ProbeConfig(enabled=True), run_dir=run_dir)
             probed = sum(run_steps(model, opt, batches, device, probe))
             probe.close()
         direct = {
-            "steps": args.direct_steps,
+            "steps": direct_steps,
             "plain_ms": plain,
             "probed_ms": probed,
             "overhead_pct": 100.0 * (probed - plain) / plain,
-            "predicted_pct": default_cadence_overhead(t_step, c, args.direct_steps),
+            "predicted_pct": default_cadence_overhead(t_step, c, direct_steps),
         }
 
     result = {
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "config_default": dataclasses.asdict(ProbeConfig()),
         "t_step_ms": t_step,
-        "t_step_iqr_ms": [statistics.quantiles(base, n=4)[0], statistics.quantiles(base, n=4)[2]],
+        "t_step_without_probe_ms": statistics.median(base),
         "extra_ms": c,
         "probe_seconds_breakdown": seconds,
         "predicted_overhead_pct": predicted,
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
         "",
         "| quantity | ms |",
         "|---|---|",
-        f"| plain step (median) | {t_step:.2f} |",
+        f"| plain step (median; {statistics.median(base):.2f} in a run without the Probe) | {t_step:.2f} |",
         f"| extra, step with Probe enabled but not probing | {c['idle']:.3f} |",
         f"| extra, warm-up probe step | {c['warm']:.2f} |",
         f"| extra, monitoring probe step | {c['monitor']:.2f} |",

@@ -63,6 +63,13 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
         )
         summary = trainer.fit()
         summary["teacher_eval_ne"] = data.teacher_ne
+        # The pipeline may still hold input distributions issued for batches it prefetched: let
+        # every rank finish them before the process group goes away (else a C++ abort at exit).
+        del trainer
+        import gc
+
+        gc.collect()
+        dist.barrier()
         if ctx.is_main:
             print(format_summary(summary), flush=True)
         return summary

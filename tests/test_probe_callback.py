@@ -3,8 +3,6 @@
 import json
 import math
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -135,7 +133,7 @@ def test_config_validation_names_the_field():
         ProbeConfig(amax_jump_ratio=1.0)
     with pytest.raises(ValueError, match="samples: a confidence interval needs at least 2"):
         ProbeConfig(samples=1)
-    assert ProbeConfig().resolved_samples("cpu") == 16 and ProbeConfig().resolved_samples("cuda") == 100
+    assert ProbeConfig().resolved_samples("cpu") == 8 and ProbeConfig().resolved_samples("cuda") == 100
 
 
 def test_replan_at_the_end_of_warmup_with_evidence_for_every_layer_role_and_candidate(tmp_path):
@@ -258,3 +256,36 @@ def test_two_gloo_ranks_decide_identically(tmp_path):
         local_amax = spike["stats"]["act"]["local"]["amax"]
         assert spike["stats"]["act"]["merged"]["amax"] >= local_amax
     assert (tmp_path / "probe" / "summary.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_probe_on_cuda_measures_on_the_gpu(tmp_path):
+    model = _mlp().cuda().to(torch.bfloat16)
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    cfg = ProbeConfig(enabled=True, every=1, warmup_steps=2, samples=4, speed_reps=5)
+    cb = ProbeCallback(model, cfg, run_dir=str(tmp_path), consumer=dispatch)
+    for step in range(3):
+        model(torch.randn(256, 16, device="cuda", dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        cb.on_step_end(step)
+    cb.close()
+    assert cb.layer_state("fc1").reference_act.device.type == "cuda"
+    fwd = [ev for ev in dispatch.evidence if ev.layer == "fc1" and ev.role == GemmRole.FORWARD]
+    assert fwd and all(ev.device == torch.cuda.get_device_name() for ev in fwd)
+    bf16 = next(ev for ev in fwd if ev.candidate == BF16)
+    assert 0 < bf16.error.value < 2**-7 and bf16.time_ms.value > 0  # bf16 against the fp32 (no TF32) reference
+    for ev in fwd:
+        if ev.candidate != BF16 and not ev.note.startswith("unavailable"):
+            assert bf16.error.value < ev.error.value < 0.5
+
+
+def test_valve_fractions_need_a_rise_beyond_sampling_noise():
+    from loka_torchrec.probe.valve import check_shift
+
+    ref = {"rows": 64, "numel": 64, "amax": 1.0, "kurtosis": 3.0, "saturation": 0.0, "underflow": {"e4m3": {"rowwise": 0.0}}}
+    few = dict(ref, saturation=2 / 64, underflow={"e4m3": {"rowwise": 3 / 64}})
+    assert check_shift("grad", ref, few, CFG) == []  # 2 of 64 elements: noise
+    many = dict(few, numel=2**20, rows=2**14)
+    signals = sorted(t.signal for t in check_shift("grad", ref, many, CFG))
+    assert signals == ["saturation_rise"]  # 3% saturated of a million elements is real; 4.7% underflow is below 0.05
+    assert [t.detail for t in check_shift("act", ref, dict(many, underflow={"e4m3": {"rowwise": 0.2}}), CFG) if t.signal == "underflow_rise"] == ["e4m3.rowwise"]

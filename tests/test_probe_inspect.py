@@ -50,8 +50,8 @@ def run_dir(tmp_path_factory):
         model(x).pow(2).mean().backward()
         cb.on_step_end(step)
     cb.close()
-    plan = {
-        "policy": {"max_error": 0.3, "min_speedup": 1.1},
+    plan = {  # the shape of Dispatch's dispatch_plan.json
+        "gates": {"max_mere": 0.3, "min_speedup": 1.1},
         "layers": {"over.fc1": {"roles": {"fwd": {"choice": "scaled_mm:rowwise", "reason": "fastest within the gates"}}}},
     }
     (root / "dispatch_plan.json").write_text(json.dumps(plan))
@@ -164,3 +164,31 @@ def test_missing_and_empty_run_dirs(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path), "--rank", "-1"])
     assert exc.value.code == 2
+
+
+def _ev(candidate, role, err, err_hi, t, t_hi, base=1.0):
+    return {
+        "candidate": candidate,
+        "role": role,
+        "error": {"value": err, "low": err / 2, "high": err_hi, "n": 8, "method": "t95"},
+        "time_ms": {"value": t, "low": t * 0.9, "high": t_hi, "n": 5, "method": "iqr"},
+        "baseline_time_ms": {"value": base, "low": base, "high": base, "n": 5, "method": "iqr"},
+    }
+
+
+def test_best_candidate_follows_the_dispatch_rule_on_interval_bounds():
+    from loka_torchrec.probe.run_view import best_candidate
+
+    evidence = [
+        _ev("bf16:hp", "fwd", 0.001, 0.001, 1.0, 1.0),
+        _ev("a:fast_but_noisy_error", "fwd", 0.05, 0.25, 0.5, 0.55),  # upper bound fails 0.2
+        _ev("b:accurate_fast", "fwd", 0.05, 0.06, 0.8, 0.9),  # 1.25x, lower bound 1.11x
+        _ev("c:accurate_faster_point", "fwd", 0.05, 0.06, 0.7, 1.0),  # 1.43x, lower bound 1.0x fails 1.05
+    ]
+    best = best_candidate(evidence, "fwd", 0.2, 1.05)
+    assert best["candidate"] == "b:accurate_fast" and best["passes"] and best["speedup_low"] == pytest.approx(1 / 0.9)
+    slow = best_candidate(evidence, "fwd", 0.2, 2.0)  # nothing fast enough: the fastest accurate one
+    assert slow["candidate"] == "c:accurate_faster_point" and not slow["passes"]
+    strict = best_candidate(evidence, "fwd", 0.01, 1.05)  # nothing accurate enough: the lowest upper bound
+    assert strict["candidate"] in ("b:accurate_fast", "c:accurate_faster_point") and not strict["passes"]
+    assert best_candidate(evidence, "dgrad", 0.2, 1.05) is None

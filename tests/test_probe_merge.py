@@ -47,7 +47,7 @@ def _check_against_union(merged, device: str) -> None:
         assert got.light_rows == ref.light_rows == 1 + 4  # rank 0's first batch has 1 row, rank 1's has 4
         assert got.max_rows == ref.max_rows == 29
         torch.testing.assert_close(got.mean, ref.mean, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got.m2_cov, ref.m2_cov, rtol=1e-11, atol=1e-10)
+        torch.testing.assert_close(got.scatter_matrix(), ref.scatter_matrix(), rtol=1e-11, atol=1e-10)
         torch.testing.assert_close(got.m2_diag, ref.m2_diag, rtol=1e-11, atol=1e-10)
         for name in ("sum_sq", "sum_4th", "sum_row_ms_sq", "amax", "nonfinite", "underflow", "saturation"):
             torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-12, atol=0)
@@ -67,7 +67,7 @@ def _merge_worker(rank: int, init_file: str, backend: str) -> None:
         local = [_rank_stats(rank, device, "full", DIM), _rank_stats(rank, device, "capped", CAP)]
         before = local[0].clone()
         merged = all_reduce_statistics(local)
-        torch.testing.assert_close(local[0].m2_cov, before.m2_cov, rtol=0, atol=0)  # inputs untouched
+        torch.testing.assert_close(local[0].scatter_matrix(), before.scatter_matrix(), rtol=0, atol=0)  # inputs untouched
         assert merged[0].device.type == device
         _check_against_union(merged, device)
         # Ranks with shifted means disagree far beyond noise; the rank's rows against themselves do not.
@@ -98,7 +98,7 @@ def test_without_a_process_group_the_merge_is_a_copy():
     stats = _rank_stats(0, "cpu", "full", DIM)
     (copy,) = all_reduce_statistics([stats])
     assert copy is not stats and copy.count == stats.count
-    torch.testing.assert_close(copy.m2_cov, stats.m2_cov, rtol=0, atol=0)
+    torch.testing.assert_close(copy.scatter_matrix(), stats.scatter_matrix(), rtol=0, atol=0)
 
 
 def test_rank_deviation_is_quiet_for_samples_of_one_distribution():

@@ -53,9 +53,13 @@ def _snapshot(*, in_features=32, out_features=16, rows=64, act_shift=0.0, weight
 def test_t_quantiles_match_scipy():
     scipy_stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 5, 19, 30, 31, 60, 99, 1000):
-        assert t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-6)
-    with pytest.raises(ValueError, match="df"):
-        t_quantile_975(0)
+        assert t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=2e-4)
+
+
+def test_iqr_interval_is_median_and_quartiles():
+    iv = iqr_interval([5.0, 1.0, 3.0, 2.0, 4.0, 100.0, 3.5])
+    assert (iv.value, iv.low, iv.high, iv.n, iv.method) == (3.5, 2.5, 4.5, 7, "iqr")
+    assert t_interval([2.0]).method == "none" and math.isinf(t_interval([1.0, math.inf]).value)
 
 
 def test_t_interval_covers_a_known_mean_at_the_stated_rate():
@@ -135,6 +139,24 @@ def test_quantify_rejects_bad_arguments():
         quantify_errors(empty, {GemmRole.FORWARD: [EMU_TW]}, samples=2)
 
 
+def test_padded_candidate_equals_the_unpadded_one():
+    # On CUDA scaled_mm needs K and N in multiples of 16; the Probe pads as LokaLinear does.
+    from loka_torchrec.dispatch.recipes import recipe_for
+    from loka_torchrec.probe.candidates import CandidateRun, resolve_candidate
+
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(24, 20, generator=gen), torch.randn(10, 20, generator=gen)
+    for recipe in ("tensorwise", "rowwise"):
+        plain = CandidateRun(KernelChoice("emulated", recipe), recipe_for(recipe, GemmRole.FORWARD))
+        padded = CandidateRun(plain.choice, plain.recipe, align=16)
+        out = padded.gemm(a, b, torch.float32)
+        assert out.shape == (24, 10)
+        torch.testing.assert_close(out, plain.gemm(a, b, torch.float32), rtol=1e-6, atol=1e-6)
+    run = resolve_candidate(SMM_RW, GemmRole.GRAD_INPUT, GemmShape(24, 10, 20), "cpu", grad_format="e5m2")
+    assert run.align == 1 and run.recipe.a.fmt == Fp8Format.E5M2  # dgrad's A is the gradient
+    assert "unknown GEMM backend" in resolve_candidate(KernelChoice("nope", "x"), GemmRole.FORWARD, GemmShape(1, 1, 1), "cpu")
+
+
 def test_reference_is_float64_on_cpu():
     a, b = torch.randn(4, 8), torch.randn(3, 8)
     assert reference_gemm(a, b).dtype == torch.float64
@@ -185,11 +207,15 @@ def test_evaluate_layer_builds_evidence_for_dispatch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_reference_is_fp32_without_tf32_and_timing_uses_events():
+    saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     a = torch.randn(64, 256, device="cuda")
     b = torch.randn(32, 256, device="cuda")
-    ref = reference_gemm(a, b)
-    assert ref.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32  # restored afterwards
+    try:
+        ref = reference_gemm(a, b)
+        assert ref.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32  # restored afterwards
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
     torch.testing.assert_close(ref.double(), a.double() @ b.double().t(), rtol=1e-5, atol=1e-4)
     iv = time_gemm(BF16, GemmRole.FORWARD, GemmShape(1024, 256, 256), dtype=torch.bfloat16, device="cuda", reps=10)
     assert iv.n == 10 and iv.value > 0

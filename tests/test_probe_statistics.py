@@ -89,6 +89,7 @@ def test_underflow_fraction_equals_elements_that_quantize_to_zero(fmt, granulari
     expected = float(((q == 0) & (x != 0)).sum()) / x.numel()
     assert expected > 0.01
     assert stats.underflow_fraction(fmt, granularity) == pytest.approx(expected, abs=0.5 / x.numel())
+    assert stats.summary()["underflow"][fmt.value][granularity] == stats.underflow_fraction(fmt, granularity)
 
 
 def test_delayed_saturation_counts_what_a_stale_scale_clamps():
@@ -124,7 +125,7 @@ def test_covariance_cap_keeps_a_fixed_subset_and_every_variance():
     b = TensorStatistics(dim, max_cov_dim=cap, key="layer|act")
     assert torch.equal(a.cov_index, b.cov_index)  # same key: same subset on every rank
     assert not torch.equal(a.cov_index, covariance_subset(dim, cap, "other|act"))
-    assert a.m2_cov.shape == (cap, cap) and not a.is_full_covariance
+    assert a.scatter_matrix().shape == (cap, cap) and not a.is_full_covariance
     x = rng.standard_normal((100, dim)) @ rng.standard_normal((dim, dim))
     a.update(torch.from_numpy(x))
     idx = a.cov_index.numpy()
@@ -218,7 +219,11 @@ def test_monitoring_updates_skip_moments_but_keep_amax_kurtosis_and_fractions():
     full.update(x)
     light.update(x, moments=False)
     assert light.count == 0 and light.light_rows == 30 and light.rows == full.rows == 30
-    assert light.is_empty and float(light.m2_cov.abs().sum()) == 0.0
+    assert light.is_empty and light.m2_cov is None and float(light.scatter_matrix().abs().sum()) == 0.0
     assert light.kurtosis() == pytest.approx(full.kurtosis(), rel=1e-14)
     assert float(light.amax) == float(full.amax)
     assert light.summary()["rows"] == 30 and light.summary()["moment_rows"] == 0
+    digest = full.summary()
+    assert digest["kurtosis"] == full.kurtosis() and digest["mean_sq"] == full.mean_square()
+    assert digest["std_mean"] == pytest.approx(float(x.std(dim=0).mean()), rel=1e-12)
+    assert digest["mean_norm"] == pytest.approx(float(x.mean(dim=0).norm()), rel=1e-12)

@@ -46,6 +46,7 @@ from torch import nn
 
 from loka_torchrec.dispatch.backends import backend_names, get_backend
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
+from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import device_name, evaluate_layer
 from loka_torchrec.probe.layer_state import LayerState, StepDigest
@@ -369,7 +370,9 @@ class ProbeCallback:
         t0 = time.perf_counter()
         if self._speed_cache is None:
             device = next(iter(self._layers.values())).module.weight.device
-            self._speed_cache = SpeedCache(reps=self.config.resolved_speed_reps(device))
+            # Gradients are quantized as Dispatch will quantize them (E4M3 unless it says otherwise).
+            grad_format = getattr(self.consumer, "grad_format", None) or Fp8Format.E4M3
+            self._speed_cache = SpeedCache(reps=self.config.resolved_speed_reps(device), grad_format=grad_format)
         mine: Dict[str, Tuple[List[CandidateEvidence], List[Dict[str, Any]]]] = {}
         for i, name in enumerate(names):
             if i % self.world_size != self.rank:
@@ -388,8 +391,12 @@ class ProbeCallback:
                 reservoir=state.reservoir,
                 rows=max(state.rows, 1),
             )
-            with torch.no_grad():
-                mine[name] = evaluate_layer(snap, self._candidates(name), config=self.config, speed_cache=self._speed_cache, seed=self.config.seed)
+            try:
+                with torch.no_grad():
+                    mine[name] = evaluate_layer(snap, self._candidates(name), config=self.config, speed_cache=self._speed_cache, seed=self.config.seed)
+            except Exception as exc:  # one layer's failure must not leave the other ranks waiting in the gather
+                logger.warning("Probe: evaluating layer %s failed: %s: %s", name, type(exc).__name__, exc)
+                mine[name] = ([], [{"note": f"evaluation failed: {type(exc).__name__}: {exc}"}])
         results = mine
         if self.world_size > 1:
             gathered: List[Any] = [None] * self.world_size

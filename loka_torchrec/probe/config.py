@@ -29,14 +29,15 @@ class ProbeConfig:
         warmup_steps: length of the warm-up window; evidence is produced at its end.
         every_after: cadence after the warm-up window (safety-valve checks); 0 turns them off.
         samples: K, the number of Gaussian draws per layer, role and candidate. ``None``
-            resolves to 100 on CUDA and 16 on the CPU (a CPU draw of an LRM-sized GEMM costs
-            milliseconds; 16 draws keep a t-interval of the mean MERE within a few percent).
+            resolves to 100 on CUDA and 8 on the CPU: a CPU draw of an LRM-sized GEMM (with its
+            float64 reference) costs tens of milliseconds, and the per-draw MERE varies by a few
+            percent, so 8 draws already give a t-interval within a few percent of the mean.
         max_cov_dim: full covariance is kept for at most this many features of a tensor; a
             wider tensor keeps full covariance on a fixed random subset of ``max_cov_dim``
             features plus the variance of every feature (see ``docs/probe.md``). The weight
             model keeps a diagonal factor beyond this size.
         max_rows_per_step: cap on ``M`` (rows) for the speed benchmark and for each Gaussian
-            draw. ``None`` resolves to no cap on CUDA and 256 on the CPU.
+            draw. ``None`` resolves to no cap on CUDA and 128 on the CPU.
         speed_reps: timed repetitions per candidate. ``None`` resolves to 50 on CUDA and 5 on the CPU.
         reservoir_rows: real rows (input and output-gradient pairs) kept per layer to measure
             the error on captured data next to the Gaussian model.
@@ -63,7 +64,7 @@ class ProbeConfig:
     Example::
 
         >>> ProbeConfig(enabled=True, every=5, warmup_steps=50).resolved_samples("cpu")
-        16
+        8
     """
 
     enabled: bool = False
@@ -131,12 +132,12 @@ class ProbeConfig:
     def resolved_samples(self, device: "torch.device | str") -> int:
         if self.samples is not None:
             return self.samples
-        return 100 if torch.device(device).type == "cuda" else 16
+        return 100 if torch.device(device).type == "cuda" else 8
 
     def resolved_max_rows(self, device: "torch.device | str") -> Optional[int]:
         if self.max_rows_per_step is not None:
             return self.max_rows_per_step
-        return None if torch.device(device).type == "cuda" else 256
+        return None if torch.device(device).type == "cuda" else 128
 
     def resolved_speed_reps(self, device: "torch.device | str") -> int:
         if self.speed_reps is not None:

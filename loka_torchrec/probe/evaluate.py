@@ -47,7 +47,8 @@ def evaluate_layer(
         snap: the layer (statistics, weight, reservoir, rows per call).
         candidates: kernels to evaluate per role (from ``EvidenceConsumer.candidates``).
         config: samples, row cap and error basis.
-        speed_cache: shared timing cache (layers of one shape are timed once).
+        speed_cache: shared timing cache (layers of one shape are timed once); its
+            ``grad_format`` is also the gradient format of the error measurement.
         seed: base seed of the Gaussian draws.
 
     Returns:
@@ -58,7 +59,13 @@ def evaluate_layer(
     dtype = snap.weight.dtype
     max_rows = config.resolved_max_rows(device)
     errors = quantify_errors(
-        snap, candidates, samples=config.resolved_samples(device), max_rows=max_rows, seed=seed, dtype=dtype
+        snap,
+        candidates,
+        samples=config.resolved_samples(device),
+        max_rows=max_rows,
+        seed=seed,
+        dtype=dtype,
+        grad_format=speed_cache.grad_format,
     )
     timed_rows = draw_rows(snap.rows, max_rows)
     name = device_name(device)

@@ -58,68 +58,64 @@ def all_reduce_statistics(stats: Sequence[TensorStatistics], group: Optional[Any
         >>> all_reduce_statistics([s])[0].count  # one process: a copy
         3
     """
-    copies = [s.clone() for s in stats]
-    if not copies or not is_distributed(group):
-        return copies
+    if not stats or not is_distributed(group):
+        return [s.clone() for s in stats]
     device = comm_device(group)
+    f64 = dict(dtype=torch.float64, device=device)
 
     # 1. sums: counts, row sums, power sums, event counts
     parts: List[torch.Tensor] = []
-    for s in copies:
-        counts = torch.tensor([s.count, s.numel, s.sat_numel, s.light_rows], dtype=torch.float64)
+    for s in stats:
         parts += [
-            counts.to(device),
+            torch.tensor([s.count, s.numel, s.sat_numel, s.light_rows], **f64),
             (s.mean * s.count).to(device),
             torch.stack([s.sum_sq, s.sum_4th, s.sum_row_ms_sq, s.nonfinite, s.saturation]).to(device),
             s.underflow.reshape(-1).to(device),
         ]
-    sums = _all_reduce(torch.cat(parts), dist.ReduceOp.SUM, group)
+    sums = _all_reduce(torch.cat(parts), dist.ReduceOp.SUM, group).cpu()  # one device-to-host copy
 
     # 2. maxima
-    maxima = _all_reduce(
-        torch.cat([torch.stack([s.amax.cpu(), torch.tensor(float(s.max_rows), dtype=torch.float64)]) for s in copies]).to(device),
-        dist.ReduceOp.MAX,
-        group,
-    )
+    maxima = torch.stack([torch.stack([s.amax.to(device), torch.tensor(float(s.max_rows), **f64)]) for s in stats])
+    maxima = _all_reduce(maxima, dist.ReduceOp.MAX, group).cpu()
 
-    # 3. scatter around the global mean
-    global_means: List[torch.Tensor] = []
-    offset = 0
+    # 3. scatter around the global mean (tensors that no rank folded moments into are skipped:
+    #    every rank sees the same global counts, so every rank skips the same ones)
+    merged: List[TensorStatistics] = []
     scatter_parts: List[torch.Tensor] = []
-    for s in copies:
-        count, numel, sat_numel, light_rows = (int(round(v)) for v in sums[offset : offset + 4].tolist())
+    offset = 0
+    for i, s in enumerate(stats):
+        out = s.empty_like()
+        out.count, out.numel, out.sat_numel, out.light_rows = (int(round(v)) for v in sums[offset : offset + 4].tolist())
         offset += 4
         row_sum = sums[offset : offset + s.dim].to(s.device)
         offset += s.dim
-        mu = row_sum / count if count else torch.zeros_like(row_sum)
-        global_means.append(mu)
-        delta = s.mean - mu
-        ds = delta if s.is_full_covariance else delta[s.cov_index.to(delta.device)]
-        scatter_parts += [
-            (s.m2_diag + s.count * delta * delta).to(device),
-            (s.m2_cov + s.count * torch.outer(ds, ds)).reshape(-1).to(device),
-        ]
-        sum_sq, sum_4th, sum_row_ms_sq, nonfinite, saturation = sums[offset : offset + 5].to(s.device)
+        out.sum_sq, out.sum_4th, out.sum_row_ms_sq, out.nonfinite, out.saturation = sums[offset : offset + 5].to(s.device)
         offset += 5
-        n_under = s.underflow.numel()
-        underflow = sums[offset : offset + n_under].reshape(s.underflow.shape).to(s.device)
-        offset += n_under
-        s.count, s.numel, s.sat_numel, s.light_rows = count, numel, sat_numel, light_rows
-        s.sum_sq, s.sum_4th, s.sum_row_ms_sq, s.nonfinite, s.saturation = sum_sq, sum_4th, sum_row_ms_sq, nonfinite, saturation
-        s.underflow = underflow
-    scatter = _all_reduce(torch.cat(scatter_parts), dist.ReduceOp.SUM, group)
-
-    offset = 0
-    for i, (s, mu) in enumerate(zip(copies, global_means)):
-        s.mean = mu
-        s.m2_diag = scatter[offset : offset + s.dim].to(s.device)
-        offset += s.dim
-        k = len(s.cov_index)
-        s.m2_cov = scatter[offset : offset + k * k].reshape(k, k).to(s.device)
-        offset += k * k
-        s.amax = maxima[2 * i].to(s.device)
-        s.max_rows = int(maxima[2 * i + 1])
-    return copies
+        out.underflow = sums[offset : offset + s.underflow.numel()].reshape(s.underflow.shape).to(s.device)
+        offset += s.underflow.numel()
+        out.amax = maxima[i, 0].to(s.device)
+        out.max_rows = int(maxima[i, 1])
+        if out.count:
+            out.mean = row_sum / out.count
+            delta = s.mean - out.mean
+            ds = delta if s.is_full_covariance else delta[s.cov_index.to(delta.device)]
+            scatter_parts += [
+                (s.m2_diag + s.count * delta * delta).to(device),
+                (s.scatter_matrix() + s.count * torch.outer(ds, ds)).reshape(-1).to(device),
+            ]
+        merged.append(out)
+    if scatter_parts:
+        scatter = _all_reduce(torch.cat(scatter_parts), dist.ReduceOp.SUM, group)
+        offset = 0
+        for out in merged:
+            if not out.count:
+                continue
+            k = len(out.cov_index)
+            out.m2_diag = scatter[offset : offset + out.dim].to(out.device)
+            offset += out.dim
+            out.m2_cov = scatter[offset : offset + k * k].reshape(k, k).to(out.device)
+            offset += k * k
+    return merged
 
 
 def _all_reduce(t: torch.Tensor, op: Any, group: Optional[Any]) -> torch.Tensor:

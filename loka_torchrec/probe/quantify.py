@@ -18,7 +18,9 @@ rows the layer saw per call, capped). Three measurements are taken for every can
 
 * ``gaussian``: K draws of the operands, the *actual* weight: the number Dispatch sees by default;
 * ``weight_model``: the same with ``W`` drawn from the Kronecker weight model as well (``fwd``
-  and ``dgrad``), which shows how much the weight's structure matters;
+  and ``dgrad``, the same ``max(2, K // 4)`` weight draws for both: a draw costs
+  ``out * in * (out + in)`` flops, more than the GEMM), which shows how much the weight's
+  structure matters;
 * ``captured``: the real rows of the reservoir (real ``(x, dy)`` pairs), in chunks of rows,
   which shows how far the Gaussian model is from the data (heavy tails, outlier features).
 
@@ -32,21 +34,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import zlib
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from loka_torchrec.dispatch.backends import get_backend
-from loka_torchrec.dispatch.recipes import GemmRecipe, recipe_for
+from loka_torchrec.dispatch.measure import role_operands
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
-from loka_torchrec.fp8 import mere, sqnr_db
+from loka_torchrec.fp8 import Fp8Format, mere, sqnr_db
+from loka_torchrec.probe.candidates import CandidateRun, resolve_candidate
 from loka_torchrec.probe.intervals import t_interval
 from loka_torchrec.probe.reservoir import RowReservoir
 from loka_torchrec.probe.sampling import GaussianModel, make_generator
 from loka_torchrec.probe.statistics import TensorStatistics
 from loka_torchrec.probe.weight_statistics import WeightStatistics
 
-__all__ = ["CandidateError", "LayerSnapshot", "quantify_errors", "reference_gemm", "recipe_or_none", "draw_rows"]
+__all__ = ["CandidateError", "LayerSnapshot", "quantify_errors", "reference_gemm", "draw_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,23 +124,6 @@ class LayerSnapshot:
         return self.grad is not None and not self.grad.is_empty
 
 
-def recipe_or_none(choice: KernelChoice, role: GemmRole) -> Optional[GemmRecipe]:
-    """The recipe a candidate runs with for ``role`` (``None`` for the high-precision baseline)."""
-    return None if choice.is_high_precision else recipe_for(choice.recipe, role)
-
-
-def candidate_problem(choice: KernelChoice, role: GemmRole, shape: GemmShape, device: torch.device) -> Optional[str]:
-    """``None`` when ``choice`` can run ``role`` at ``shape`` on ``device``, else the reason."""
-    try:
-        backend = get_backend(choice.backend)
-        if choice.is_high_precision:
-            available = backend.availability(device)
-            return None if available.ok else available.reason
-        return backend.check(recipe_or_none(choice, role), shape, device)
-    except ValueError as exc:
-        return str(exc)
-
-
 @contextlib.contextmanager
 def _no_tf32() -> Iterator[None]:
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -164,32 +149,54 @@ def draw_rows(rows: int, cap: Optional[int]) -> int:
     return r - r % 16 if r > 16 else max(r, 1)
 
 
+_SAMPLE_DTYPE = torch.float32  # draws are rounded to the model's dtype anyway; float32 halves their cost
+
+
 def _seed(name: str, role: GemmRole, seed: int, kind: str) -> int:
     return zlib.crc32(f"{name}|{role.value}|{kind}".encode()) + 1_000_003 * seed
 
 
+def _weight_draws(snap: LayerSnapshot, count: int, seed: int, device: torch.device) -> List[torch.Tensor]:
+    factor_device = snap.weight_stats.row_factor.device
+    gen = make_generator(factor_device, zlib.crc32(f"{snap.name}|weights".encode()) + 1_000_003 * seed)
+    return [snap.weight_stats.sample(gen, dtype=_SAMPLE_DTYPE).to(device) for _ in range(count)]
+
+
+class _Models:
+    """The layer's Gaussian models, fitted (one Cholesky factorization each) on first use."""
+
+    def __init__(self, snap: LayerSnapshot) -> None:
+        self._snap = snap
+        self._x: Optional[GaussianModel] = None
+        self._dy: Optional[GaussianModel] = None
+
+    @property
+    def x(self) -> GaussianModel:
+        if self._x is None:
+            self._x = GaussianModel.from_statistics(self._snap.act, dtype=_SAMPLE_DTYPE)
+        return self._x
+
+    @property
+    def dy(self) -> GaussianModel:
+        if self._dy is None:
+            self._dy = GaussianModel.from_statistics(self._snap.grad, dtype=_SAMPLE_DTYPE)
+        return self._dy
+
+
 def _gaussian_operands(
-    snap: LayerSnapshot, role: GemmRole, rows: int, samples: int, seed: int, device: torch.device, sample_dtype: torch.dtype, weight_model: bool
+    snap: LayerSnapshot, models: _Models, role: GemmRole, rows: int, samples: int, seed: int, weights: Optional[List[torch.Tensor]] = None
 ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    x_model = GaussianModel.from_statistics(snap.act, dtype=sample_dtype)
-    dy_model = GaussianModel.from_statistics(snap.grad, dtype=sample_dtype) if role != GemmRole.FORWARD else None
-    run_seed = _seed(snap.name, role, seed, "wm" if weight_model else "g")
-    gen = make_generator(x_model.mean.device, run_seed)
+    """Draws of ``(A, B)`` for ``role``; with ``weights``, one draw per given weight instead of the actual one."""
+    x_model = models.x
+    dy_model = models.dy if role != GemmRole.FORWARD else None
+    gen = make_generator(x_model.mean.device, _seed(snap.name, role, seed, "wm" if weights else "g"))
     w = snap.weight.detach()
-    if weight_model:
-        factor_device = snap.weight_stats.row_factor.device
-        w_gen = gen if factor_device == gen.device else make_generator(factor_device, run_seed + 1)
-    for _ in range(samples):
-        if weight_model:
-            w = snap.weight_stats.sample(w_gen).to(device)
-        if role == GemmRole.FORWARD:
-            yield x_model.sample(rows, gen), w
-        elif role == GemmRole.GRAD_INPUT:
-            yield dy_model.sample(rows, gen), w.t()
-        else:
-            dy = dy_model.sample(rows, gen)
-            x = x_model.sample(rows, gen)
-            yield dy.t(), x.t()
+    for i in range(len(weights) if weights else samples):
+        if weights:
+            w = weights[i]
+        dy = dy_model.sample(rows, gen) if dy_model is not None else None
+        x = x_model.sample(rows, gen) if role != GemmRole.GRAD_INPUT else None
+        yield role_operands(role, x, w, dy)
 
 
 def _captured_operands(snap: LayerSnapshot, role: GemmRole, rows: int, samples: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -202,38 +209,37 @@ def _captured_operands(snap: LayerSnapshot, role: GemmRole, rows: int, samples: 
     n = x.shape[0]
     if n < 2:
         return []
+    device = snap.weight.device
+    x = x.to(device)
+    dy = dy.to(device) if dy is not None else None
     chunk = max(1, min(rows, n // 4))  # at least 4 chunks when the reservoir allows, for an interval
     count = min(samples, n // chunk)
     w = snap.weight.detach()
     out = []
     for i in range(count):
-        xs = x[i * chunk : (i + 1) * chunk]
-        if role == GemmRole.FORWARD:
-            out.append((xs, w))
-        else:
-            ds = dy[i * chunk : (i + 1) * chunk]
-            out.append((ds, w.t()) if role == GemmRole.GRAD_INPUT else (ds.t(), xs.t()))
+        rows_i = slice(i * chunk, (i + 1) * chunk)
+        out.append(role_operands(role, x[rows_i], w, dy[rows_i] if dy is not None else None))
     return out
 
 
 def _measure(
-    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], choices: Sequence[KernelChoice], role: GemmRole, dtype: torch.dtype
+    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype
 ) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
-    meres: Dict[KernelChoice, List[float]] = {c: [] for c in choices}
-    sqnrs: Dict[KernelChoice, List[float]] = {c: [] for c in choices}
+    meres: Dict[KernelChoice, List[float]] = {r.choice: [] for r in runs}
+    sqnrs: Dict[KernelChoice, List[float]] = {r.choice: [] for r in runs}
     failures: Dict[KernelChoice, str] = {}
-    recipes = {c: recipe_or_none(c, role) for c in choices}
     for a, b in operands:
         # The candidate sees the operands in the model's dtype, as in training; the reference
         # multiplies the same rounded values, so only the GEMM's own error is measured.
         a_in = a.to(dtype).contiguous()
         b_in = b.to(dtype).contiguous()
         ref = reference_gemm(a_in, b_in)
-        for c in choices:
+        for run in runs:
+            c = run.choice
             if c in failures:
                 continue
             try:
-                out = get_backend(c.backend).gemm(a_in, b_in, recipes[c], dtype)
+                out = run.gemm(a_in, b_in, dtype)
             except Exception as exc:  # a kernel that fails at this shape is an unavailable candidate, with its reason
                 failures[c] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -255,6 +261,7 @@ def quantify_errors(
     max_rows: Optional[int] = None,
     seed: int = 0,
     dtype: Optional[torch.dtype] = None,
+    grad_format: "Fp8Format | str" = Fp8Format.E4M3,
 ) -> Dict[Tuple[GemmRole, KernelChoice], CandidateError]:
     """MERE and SQNR of every candidate for every role of one layer (see the module docstring).
 
@@ -265,6 +272,7 @@ def quantify_errors(
         max_rows: cap on the rows per draw.
         seed: base seed of the draws (the same seed gives the same draws).
         dtype: the dtype the candidates receive their operands in (default: the weight's).
+        grad_format: FP8 format of the gradient operands (as Dispatch's ``grad_format``).
 
     Returns:
         ``{(role, candidate): CandidateError}``; roles without gradient statistics get an
@@ -276,9 +284,10 @@ def quantify_errors(
         raise ValueError(f"{snap.name}: no input rows were seen; cannot quantify errors")
     device = snap.weight.device
     dtype = dtype or snap.weight.dtype
-    sample_dtype = torch.float32 if device.type == "cuda" else torch.float64
     rows = draw_rows(snap.rows, max_rows)
     results: Dict[Tuple[GemmRole, KernelChoice], CandidateError] = {}
+    weight_draws: Optional[List[torch.Tensor]] = None
+    models = _Models(snap)
     for role, choices in candidates.items():
         role = GemmRole(role)
         choices = list(dict.fromkeys(choices))
@@ -287,29 +296,28 @@ def quantify_errors(
                 results[(role, c)] = CandidateError.unavailable("no output gradients were seen (no backward pass at probe steps)")
             continue
         shape = GemmShape.for_role(role, rows, snap.in_features, snap.out_features)
-        runnable = []
+        runnable: List[CandidateRun] = []
         for c in choices:
-            problem = candidate_problem(c, role, shape, device)
-            if problem:
-                results[(role, c)] = CandidateError.unavailable(problem)
+            run = resolve_candidate(c, role, shape, device, grad_format=grad_format)
+            if isinstance(run, str):
+                results[(role, c)] = CandidateError.unavailable(run)
             else:
-                runnable.append(c)
+                runnable.append(run)
         if not runnable:
             continue
-        g_mere, g_sqnr, failures = _measure(
-            _gaussian_operands(snap, role, rows, samples, seed, device, sample_dtype, weight_model=False), runnable, role, dtype
-        )
+        g_mere, g_sqnr, failures = _measure(_gaussian_operands(snap, models, role, rows, samples, seed), runnable, dtype)
         wm_mere: Dict[KernelChoice, List[float]] = {}
         if role != GemmRole.GRAD_WEIGHT and snap.weight_stats is not None and snap.weight_stats.updates:
-            wm_mere, _, _ = _measure(
-                _gaussian_operands(snap, role, rows, samples, seed, device, sample_dtype, weight_model=True), runnable, role, dtype
-            )
-        c_mere, c_sqnr, _ = _measure(iter(_captured_operands(snap, role, rows, samples)), runnable, role, dtype)
-        for c in runnable:
+            if weight_draws is None:
+                weight_draws = _weight_draws(snap, max(2, samples // 4), seed, device)
+            wm_mere, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype)
+        c_mere, c_sqnr, _ = _measure(iter(_captured_operands(snap, role, rows, samples)), runnable, dtype)
+        for run in runnable:
+            c = run.choice
             if c in failures:
                 results[(role, c)] = CandidateError.unavailable(failures[c])
                 continue
-            notes = []
+            notes = [f"K and N zero-padded to multiples of {run.align}"] if run.align > 1 else []
             captured = _nonnegative(t_interval(c_mere[c])) if c_mere.get(c) else None
             if captured is None:
                 notes.append("captured: too few reservoir rows")

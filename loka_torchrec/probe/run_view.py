@@ -6,8 +6,9 @@ Sources, in order of preference:
 * ``RUN_DIR/probe/rank{r}.jsonl`` (rank ``r``'s records; its *local* statistics when ``--rank r``
   is given, the merged ones otherwise), when the summary is missing or unreadable;
 * ``RUN_DIR/dispatch_plan.json`` for the decisions: ``{"layers": {fqn: {"roles": {"fwd":
-  {"choice": "scaled_mm:rowwise", "reason": "..."}}}}}``; optional ``"policy"`` (or ``"gates"``)
-  with ``max_error`` and ``min_speedup`` fixes the gates drawn and used to pick the best candidate.
+  {"choice": "scaled_mm:rowwise", "reason": "..."}}}}}``; its optional ``"gates"`` (or
+  ``"policy"``) with ``max_mere`` (or ``max_error``) and ``min_speedup`` fixes the gates drawn and
+  used to pick the candidate shown.
 
 Problems a user can meet are :class:`RunDirError` with a one-line message (missing, empty,
 corrupted directory); recoverable ones (a truncated line, a missing summary) become warnings.
@@ -100,10 +101,10 @@ def _load_plan(run_dir: Path, problems: List[str]) -> Dict[str, Any]:
 
 
 def _gates(plan: Dict[str, Any], max_error: Optional[float], min_speedup: Optional[float]) -> Tuple[float, float]:
-    policy = plan.get("policy") or plan.get("gates") or {}
+    policy = plan.get("gates") or plan.get("policy") or {}
     if not isinstance(policy, dict):
         policy = {}
-    err = max_error if max_error is not None else _float(policy.get("max_error", DEFAULT_MAX_ERROR))
+    err = max_error if max_error is not None else _float(policy.get("max_mere", policy.get("max_error", DEFAULT_MAX_ERROR)))
     spd = min_speedup if min_speedup is not None else _float(policy.get("min_speedup", DEFAULT_MIN_SPEEDUP))
     return (err if math.isfinite(err) else DEFAULT_MAX_ERROR), (spd if math.isfinite(spd) else DEFAULT_MIN_SPEEDUP)
 
@@ -207,27 +208,41 @@ def load_run(run_dir: "str | Path", *, rank: Optional[int] = None, max_error: Op
     return RunView(run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems)
 
 
-def best_candidate(evidence: List[Dict[str, Any]], role: str, max_error: float, min_speedup: float) -> Optional[Dict[str, Any]]:
-    """The role's fastest FP8 candidate within both gates, else its most accurate FP8 candidate.
+def _speedups(e: Dict[str, Any]) -> Tuple[float, float]:
+    """``(speedup, speedup_low)`` of an evidence record, as :class:`CandidateEvidence` defines them."""
+    t, b = e.get("time_ms") or {}, e.get("baseline_time_ms") or {}
+    t_val, t_hi = _float(t.get("value")), _float(t.get("high"))
+    speedup = _float(b.get("value")) / t_val if t_val > 0 and math.isfinite(t_val) else 0.0
+    low = _float(b.get("low")) / t_hi if t_hi > 0 and math.isfinite(t_hi) else 0.0
+    return speedup, low
 
-    The returned dict is the evidence record plus ``passes`` (bool).
+
+def best_candidate(evidence: List[Dict[str, Any]], role: str, max_error: float, min_speedup: float) -> Optional[Dict[str, Any]]:
+    """The role's FP8 candidate to show, chosen by Dispatch's rule on the interval bounds.
+
+    Within both gates (MERE upper bound ``< max_error``, speedup lower bound ``>= min_speedup``):
+    the fastest; else the fastest accurate one; else the one with the lowest MERE upper bound.
+    The returned dict is the evidence record plus ``passes`` (both gates), ``speedup`` and
+    ``speedup_low``.
     """
     fp8 = [e for e in evidence if e.get("role") == role and not str(e.get("candidate", "")).startswith("bf16:")]
-    usable = [e for e in fp8 if math.isfinite(_float((e.get("error") or {}).get("value")))]
+    usable = [e for e in fp8 if math.isfinite(_float((e.get("error") or {}).get("high")))]
     if not usable:
         return None
 
-    def speedup(e: Dict[str, Any]) -> float:
-        t = _float((e.get("time_ms") or {}).get("value"))
-        b = _float((e.get("baseline_time_ms") or {}).get("value"))
-        return b / t if t > 0 and math.isfinite(t) else 0.0
+    def err_hi(e: Dict[str, Any]) -> float:
+        return _float(e["error"]["high"])
 
-    passing = [e for e in usable if _float(e["error"]["value"]) < max_error and speedup(e) > min_speedup]
-    if passing:
-        best = max(passing, key=speedup)
-        return {**best, "passes": True, "speedup": speedup(best)}
-    best = min(usable, key=lambda e: _float(e["error"]["value"]))
-    return {**best, "passes": False, "speedup": speedup(best)}
+    accurate = [e for e in usable if err_hi(e) < max_error]
+    admissible = [e for e in accurate if _speedups(e)[1] >= min_speedup]
+    if admissible:
+        best = max(admissible, key=lambda e: _speedups(e)[0])
+    elif accurate:
+        best = max(accurate, key=lambda e: _speedups(e)[0])
+    else:
+        best = min(usable, key=err_hi)
+    speedup, low = _speedups(best)
+    return {**best, "passes": bool(admissible), "speedup": speedup, "speedup_low": low}
 
 
 def rank_comparison(ranks: Dict[int, List[Dict[str, Any]]], *, z_threshold: float = 5.0) -> List[Dict[str, Any]]:

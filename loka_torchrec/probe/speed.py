@@ -21,10 +21,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from loka_torchrec.dispatch.backends import get_backend
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
+from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.probe.candidates import resolve_candidate
 from loka_torchrec.probe.intervals import iqr_interval
-from loka_torchrec.probe.quantify import recipe_or_none
 
 __all__ = ["time_gemm", "SpeedCache", "l2_cache_bytes"]
 
@@ -57,6 +57,7 @@ def time_gemm(
     reps: int,
     warmup: Optional[int] = None,
     seed: int = 0,
+    grad_format: "Fp8Format | str" = Fp8Format.E4M3,
 ) -> Interval:
     """Median time (ms) with its IQR of ``choice`` on random ``A (M, K)``, ``B (N, K)`` in ``dtype``.
 
@@ -69,9 +70,11 @@ def time_gemm(
         reps: timed calls.
         warmup: untimed calls first (default ``max(2, reps // 5)``).
         seed: seed of the random operands.
+        grad_format: FP8 format of gradient operands.
 
     Raises:
-        Whatever the backend raises when it cannot run (the caller records it as unavailable).
+        ValueError: the candidate cannot run here (the message says why); otherwise whatever
+        the backend raises (the caller records it as unavailable).
 
     Example::
 
@@ -83,8 +86,9 @@ def time_gemm(
         raise ValueError(f"reps: expected a positive int, got {reps}")
     device = torch.device(device)
     warmup = max(2, reps // 5) if warmup is None else warmup
-    backend = get_backend(choice.backend)
-    recipe = recipe_or_none(choice, role)
+    run = resolve_candidate(choice, role, shape, device, grad_format=grad_format)
+    if isinstance(run, str):
+        raise ValueError(f"{choice} cannot run {role.value} at {shape} on {device}: {run}")
     gen = torch.Generator(device=device).manual_seed(seed)
     sets = [
         (
@@ -95,7 +99,7 @@ def time_gemm(
     ]
     for i in range(warmup):
         a, b = sets[i % len(sets)]
-        backend.gemm(a, b, recipe, dtype)
+        run.gemm(a, b, dtype)
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -103,7 +107,7 @@ def time_gemm(
         for i, (start, end) in enumerate(events):
             a, b = sets[i % len(sets)]
             start.record()
-            backend.gemm(a, b, recipe, dtype)
+            run.gemm(a, b, dtype)
             end.record()
         torch.cuda.synchronize(device)
         times = [start.elapsed_time(end) for start, end in events]
@@ -111,7 +115,7 @@ def time_gemm(
         for i in range(reps):
             a, b = sets[i % len(sets)]
             t0 = time.perf_counter()
-            backend.gemm(a, b, recipe, dtype)
+            run.gemm(a, b, dtype)
             times.append((time.perf_counter() - t0) * 1e3)
     return iqr_interval(times)
 
@@ -119,21 +123,21 @@ def time_gemm(
 class SpeedCache:
     """Memoizes :func:`time_gemm` by ``(candidate, role, shape, dtype, device)``; failures are cached too."""
 
-    def __init__(self, *, reps: int) -> None:
+    def __init__(self, *, reps: int, grad_format: "Fp8Format | str" = Fp8Format.E4M3) -> None:
         self.reps = reps
+        self.grad_format = grad_format
         self._times: Dict[Tuple, "Interval | str"] = {}
 
     def time(self, choice: KernelChoice, role: GemmRole, shape: GemmShape, *, dtype: torch.dtype, device: torch.device) -> "Interval | str":
         """The timing, or a string with the reason the candidate could not run."""
-        try:
-            recipe = recipe_or_none(choice, role)
-        except ValueError as exc:
-            return str(exc)
+        run = resolve_candidate(choice, role, shape, device, grad_format=self.grad_format)
+        if isinstance(run, str):
+            return run
         # Roles whose recipes have the same operand formats share a timing at the same shape.
-        key = (choice, recipe, (shape.m, shape.k, shape.n), dtype, str(device))
+        key = (run, (shape.m, shape.k, shape.n), dtype, str(device))
         if key not in self._times:
             try:
-                self._times[key] = time_gemm(choice, role, shape, dtype=dtype, device=device, reps=self.reps)
+                self._times[key] = time_gemm(choice, role, shape, dtype=dtype, device=device, reps=self.reps, grad_format=self.grad_format)
             except Exception as exc:  # a kernel that fails at this shape is unavailable there, with its reason
                 self._times[key] = f"{type(exc).__name__}: {exc}"
         return self._times[key]

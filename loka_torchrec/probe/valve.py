@@ -10,6 +10,11 @@ every rank reaches the same verdict. A layer trips on any of:
 * ``underflow_rise``: an underflow fraction (any format, any granularity) rose by more than
   ``underflow_rise``;
 * ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``.
+
+A fraction measured on few elements is noisy (2 of 64 elements is already 3%), so a rise must
+also exceed ``NOISE_Z`` binomial standard errors of the probe step's fraction,
+``sqrt(p (1 - p) / numel)``: on the millions of elements of an LRM layer this changes nothing,
+on a toy layer it keeps the valve from firing on sampling noise.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from loka_torchrec.probe.config import ProbeConfig
 
-__all__ = ["Trigger", "check_shift", "describe"]
+__all__ = ["Trigger", "check_shift", "describe", "NOISE_Z"]
+
+NOISE_Z = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +85,22 @@ def check_shift(tensor: str, reference: Optional[Mapping[str, Any]], window: Map
     kurt, ref_kurt = _num(window, "kurtosis"), _num(reference, "kurtosis")
     if ref_kurt > 0 and kurt > config.kurtosis_spike_ratio * ref_kurt:
         triggers.append(Trigger(tensor, "kurtosis_spike", kurt, ref_kurt, config.kurtosis_spike_ratio * ref_kurt))
+    numel = _num(window, "numel")
+
+    def rose(value: float, ref_value: float, bound: float) -> bool:
+        noise = NOISE_Z * math.sqrt(max(value * (1.0 - value), 0.0) / numel) if numel > 0 else math.inf
+        return math.isfinite(ref_value) and value - ref_value > max(bound, noise)
+
     under, ref_under = window.get("underflow") or {}, reference.get("underflow") or {}
     for fmt, by_gran in sorted(under.items()):
         for gran, value in sorted(by_gran.items()):
             ref_value = float((ref_under.get(fmt) or {}).get(gran, math.nan))
             value = float(value)
-            if math.isfinite(ref_value) and value - ref_value > config.underflow_rise:
+            if rose(value, ref_value, config.underflow_rise):
                 triggers.append(Trigger(tensor, "underflow_rise", value, ref_value, ref_value + config.underflow_rise, f"{fmt}.{gran}"))
     sat, ref_sat = _num(window, "saturation"), _num(reference, "saturation")
     ref_sat = ref_sat if math.isfinite(ref_sat) else 0.0
-    if sat - ref_sat > config.saturation_rise:
+    if rose(sat, ref_sat, config.saturation_rise):
         triggers.append(Trigger(tensor, "saturation_rise", sat, ref_sat, ref_sat + config.saturation_rise, "tensorwise_delayed"))
     return triggers
 

@@ -78,19 +78,27 @@ class WeightStatistics:
         if not torch.is_tensor(weight) or weight.shape != (self.out_features, self.in_features):
             got = tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__
             raise ValueError(f"weight: expected shape {(self.out_features, self.in_features)}, got {got}")
-        w = weight.detach().double()
-        finite = torch.isfinite(w)
-        self.nonfinite = int((~finite).sum())
-        w = torch.where(finite, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        w = weight.detach()
+        w = w if w.dtype == torch.float64 else w.float()
+        amax = w.abs().amax()
+        if w.device.type != "cpu" or not bool(torch.isfinite(amax)):
+            # Mask inf/NaN without a host sync on accelerators; on the CPU only when present.
+            finite = torch.isfinite(w)
+            self.nonfinite = int(finite.numel() - torch.count_nonzero(finite))
+            w = torch.where(finite, w, torch.zeros((), dtype=w.dtype, device=w.device))
+            amax = w.abs().amax()
+        else:
+            self.nonfinite = 0
         sq = w * w
-        mean_sq = float(sq.mean())
-        self.amax = float(w.abs().max())
+        mean_sq = float(sq.sum(dtype=torch.float64)) / w.numel()
+        self.amax = float(amax)
         self.amax_history.append(self.amax)
-        self.kurtosis = float((sq * sq).mean()) / (mean_sq * mean_sq) if mean_sq > 0 else math.nan
+        self.kurtosis = float((sq * sq).sum(dtype=torch.float64)) / w.numel() / (mean_sq * mean_sq) if mean_sq > 0 else math.nan
         if not factors:
             return
-        row = self._factor(w, rows=True)
-        col = self._factor(w, rows=False)
+        # The factors are a model, not an exact statistic: float32 products (float64 inputs stay float64).
+        row = self._factor(w, rows=True).double()
+        col = self._factor(w, rows=False).double()
         if self.updates == 0:
             self.row_factor, self.col_factor, self.sigma2 = row, col, mean_sq
         else:
@@ -109,17 +117,17 @@ class WeightStatistics:
 
     @torch.no_grad()
     def sample(self, generator: torch.Generator, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """One draw ``(out_features, in_features)`` from the model, on the factors' device."""
+        """One draw ``(out_features, in_features)`` from the model, computed in ``dtype`` on the factors' device."""
         if self.updates == 0:
             raise ValueError("WeightStatistics.sample: no weight has been seen yet (call update first)")
         if self._roots is None:
             self._roots = (_square_root(self.row_factor), _square_root(self.col_factor))
-        row_root, col_root = self._roots
+        row_root, col_root = (r.to(dtype) for r in self._roots)
         device = self.row_factor.device
-        z = torch.randn(self.out_features, self.in_features, generator=generator, dtype=torch.float64, device=device)
+        z = torch.randn(self.out_features, self.in_features, generator=generator, dtype=dtype, device=device)
         z = _apply_left(row_root, z)
         z = _apply_left(col_root, z.t()).t()
-        return (z / math.sqrt(self.sigma2) if self.sigma2 > 0 else z).to(dtype)
+        return z / math.sqrt(self.sigma2) if self.sigma2 > 0 else z
 
     def summary(self) -> Dict[str, Any]:
         return {

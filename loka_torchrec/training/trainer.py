@@ -159,7 +159,8 @@ class Trainer:
             return None
         from loka_torchrec.probe import ProbeCallback
 
-        return ProbeCallback(model, probe_cfg, run_dir=self.run_dir, consumer=self.loka.dispatcher)
+        # The loop numbers steps from 1; the callback's cadence counts from start_step.
+        return ProbeCallback(model, probe_cfg, run_dir=self.run_dir, consumer=self.loka.dispatcher, start_step=1)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> Dict[str, Any]:
