@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 from loka_torchrec.config import from_mapping
 from loka_torchrec.training.data_spec import DataSpec
 
-__all__ = ["RankData", "make_data"]
+__all__ = ["RankData", "make_data", "rank_data"]
 
 
 @dataclasses.dataclass
@@ -30,6 +30,19 @@ class RankData:
     teacher_ne: Optional[float]
 
 
+def rank_data(config, dataset_cls, spec: DataSpec, teacher_ne: Optional[float], *, rank: int, world_size: int) -> RankData:
+    """:class:`RankData` of one synthetic config: its train and eval splits for this rank."""
+    train = dataset_cls(config, rank=rank, world_size=world_size, split="train")
+    evaluation = dataset_cls(config, rank=rank, world_size=world_size, split="eval")
+    return RankData(
+        spec=spec,
+        train=lambda start: train.batches(start),
+        eval=lambda start: evaluation.batches(start),
+        batch_size=config.batch_size,
+        teacher_ne=teacher_ne,
+    )
+
+
 def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int) -> RankData:
     """Build the datasets of the ``data:`` section; ``kind`` is ``"pooled"`` or ``"sequence"``."""
     options = dict(options)
@@ -39,14 +52,8 @@ def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int)
         from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
 
         config = from_mapping(SyntheticConfig, options, field="data")
-        train = SyntheticRecDataset(config, rank=rank, world_size=world_size, split="train")
-        evaluation = SyntheticRecDataset(config, rank=rank, world_size=world_size, split="eval")
-        return RankData(
-            spec=make_data_spec(config),
-            train=lambda start: train.batches(start),
-            eval=lambda start: evaluation.batches(start),
-            batch_size=config.batch_size,
-            teacher_ne=teacher_ne(config, max_batches=4),
+        return rank_data(
+            config, SyntheticRecDataset, make_data_spec(config), teacher_ne(config, max_batches=4), rank=rank, world_size=world_size
         )
     if kind == "sequence":
         from loka_torchrec.training import synthetic_sequences as seq

@@ -466,7 +466,42 @@ class ClickTeacher:
         return self._mix(self._terms(dense, pooled)) * self._scale + self._bias
 
 
-class SyntheticRecDataset:
+class RankShardedSplit:
+    """Rank sharding shared by the synthetic datasets: batch ``i`` of rank ``r`` is global chunk
+    ``i * world_size + r``; the train split has ``train_batches`` per rank (more on demand), the
+    eval split ``eval_batches`` in all. Subclasses set ``config``, ``split``, ``rank``,
+    ``world_size`` and implement ``batch(index)``.
+    """
+
+    def __len__(self) -> int:
+        if self.split == "train":
+            return self.config.train_batches
+        return self.config.eval_batches // self.world_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.batches(0, len(self))
+
+    def chunk_index(self, index: int) -> int:
+        """The global chunk that this rank's batch ``index`` is: ``index * world_size + rank``."""
+        return index * self.world_size + self.rank
+
+    def batches(self, start: int = 0, stop: Optional[int] = None) -> Iterator[Batch]:
+        """This rank's batches ``start, start + 1, ...`` up to ``stop`` (exclusive).
+
+        For the train split ``stop=None`` never ends (the teacher gives fresh data forever); for
+        the eval split it means ``len(self)``. Use ``start`` to resume after ``start`` steps.
+        """
+        if not _is_int(start) or start < 0:
+            raise ValueError(f"start must be an int >= 0, got {start!r}")
+        if stop is None and self.split == "eval":
+            stop = len(self)
+        index = start
+        while stop is None or index < stop:
+            yield self.batch(index)
+            index += 1
+
+
+class SyntheticRecDataset(RankShardedSplit):
     """Batches of synthetic click data for one rank of one split.
 
     Iterating yields ``len(self)`` :class:`torchrec.datasets.utils.Batch` objects:
@@ -518,33 +553,6 @@ class SyntheticRecDataset:
         self._keys = list(config.feature_names)
         self._sampler = _FeatureSampler(config)
         self.teacher = _calibrated_teacher(_teacher_key(config))
-
-    def __len__(self) -> int:
-        if self.split == "train":
-            return self.config.train_batches
-        return self.config.eval_batches // self.world_size
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self.batches(0, len(self))
-
-    def chunk_index(self, index: int) -> int:
-        """The global chunk that this rank's batch ``index`` is: ``index * world_size + rank``."""
-        return index * self.world_size + self.rank
-
-    def batches(self, start: int = 0, stop: Optional[int] = None) -> Iterator[Batch]:
-        """This rank's batches ``start, start + 1, ...`` up to ``stop`` (exclusive).
-
-        For the train split ``stop=None`` never ends (the teacher gives fresh data forever); for
-        the eval split it means ``len(self)``. Use ``start`` to resume after ``start`` steps.
-        """
-        if not _is_int(start) or start < 0:
-            raise ValueError(f"start must be an int >= 0, got {start!r}")
-        if stop is None and self.split == "eval":
-            stop = len(self)
-        index = start
-        while stop is None or index < stop:
-            yield self.batch(index)
-            index += 1
 
     def batch(self, index: int) -> Batch:
         """This rank's batch ``index`` (random access, the same on every call)."""

@@ -35,7 +35,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from loka_torchrec.training.data_spec import DataSpec, TableSpec
-from loka_torchrec.training.synthetic import _generator  # the project's seed mixing, shared on purpose
+from loka_torchrec.training.synthetic import (  # seed mixing and rank sharding, shared on purpose
+    RankShardedSplit,
+    _generator,
+    _is_int,
+)
 
 __all__ = [
     "HISTORY_FEATURE",
@@ -67,10 +71,6 @@ _CALIBRATION_SAMPLES = 1 << 15
 _WEIGHT_INTERACTION = 1.0  # share of the history-candidate score in the standardized logit
 _WEIGHT_DENSE = 0.5  # share of the dense linear term: quick to learn, so NE drops early
 _CLUSTER_NOISE = 0.5  # spread of an item's teacher embedding around its cluster centre
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +301,7 @@ def sample_users(
     return dense, history, lengths, candidate
 
 
-class SyntheticSequenceDataset:
+class SyntheticSequenceDataset(RankShardedSplit):
     """Batches of synthetic history data for one rank of one split.
 
     Iterating yields ``len(self)`` :class:`torchrec.datasets.utils.Batch` objects:
@@ -345,27 +345,6 @@ class SyntheticSequenceDataset:
         self.config, self.rank, self.world_size, self.split = config, rank, world_size, split
         self._stream = _STREAM_TRAIN if split == "train" else _STREAM_EVAL
         self.teacher = SequenceTeacher(config)
-
-    def __len__(self) -> int:
-        return self.config.train_batches if self.split == "train" else self.config.eval_batches // self.world_size
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self.batches(0, len(self))
-
-    def chunk_index(self, index: int) -> int:
-        """The global chunk that this rank's batch ``index`` is: ``index * world_size + rank``."""
-        return index * self.world_size + self.rank
-
-    def batches(self, start: int = 0, stop: Optional[int] = None) -> Iterator[Batch]:
-        """This rank's batches ``start, start + 1, ...`` up to ``stop`` (train: unbounded if ``None``)."""
-        if not _is_int(start) or start < 0:
-            raise ValueError(f"start must be an int >= 0, got {start!r}")
-        if stop is None and self.split == "eval":
-            stop = len(self)
-        index = start
-        while stop is None or index < stop:
-            yield self.batch(index)
-            index += 1
 
     def batch(self, index: int) -> Batch:
         """This rank's batch ``index`` (random access, the same on every call)."""
@@ -427,15 +406,14 @@ def make_rank_data(options: Mapping[str, Any], *, rank: int, world_size: int):
         (('hist_item', 'cand_item'), 8, torch.Size([8]))
     """
     from loka_torchrec.config import from_mapping  # the job's helpers; imported here, not at module load
-    from loka_torchrec.training.data import RankData
+    from loka_torchrec.training.data import rank_data
 
     config = from_mapping(SyntheticSequenceConfig, options, field="data")
-    train = SyntheticSequenceDataset(config, rank=rank, world_size=world_size, split="train")
-    evaluation = SyntheticSequenceDataset(config, rank=rank, world_size=world_size, split="eval")
-    return RankData(
-        spec=make_sequence_data_spec(config),
-        train=lambda start: train.batches(start),
-        eval=lambda start: evaluation.batches(start),
-        batch_size=config.batch_size,
-        teacher_ne=sequence_teacher_ne(config, max_batches=4),
+    return rank_data(
+        config,
+        SyntheticSequenceDataset,
+        make_sequence_data_spec(config),
+        sequence_teacher_ne(config, max_batches=4),
+        rank=rank,
+        world_size=world_size,
     )
