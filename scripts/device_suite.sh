@@ -8,10 +8,11 @@
 #     export PYTHONPATH=/tmp/site && bash scripts/device_suite.sh
 #
 # Every step runs under a time limit taken from one overall deadline, and a failing or timed-out
-# step never stops the next one. What comes back in $OUT (at most 6 files):
+# step never stops the next one. What comes back in $OUT (at most 8 files):
 #   summary.txt                    each step's exit status, duration and last lines
 #   <date>-gemm-bench.json / .md   the benchmark (device, date, versions and command inside)
 #   <date>-gemm-bench-fast-accum.json / .md   the target shapes with fast accumulation, time allowing
+#   probe_overhead_cuda.json / .md  the Probe's cost per phase and over runs at the default cadence
 #   device-suite-logs.tar.gz       full logs, JUnit XML of the test runs
 #
 # Settings (environment): OUT (default ./device-out), SUITE_DEADLINE_S (total seconds, default 450),
@@ -106,6 +107,8 @@ run_step pytest_kernels_backends 150 $PYP -m pytest "${OWN_TESTS[@]}" "${PYTEST_
   --junitxml="$LOGS/pytest-kernels-backends.xml"
 run_step pytest_other_gpu 100 $PYP -m pytest tests "${PYTEST_ARGS[@]}" \
   $(printf -- '--ignore=%s ' "${OWN_TESTS[@]}") --junitxml="$LOGS/pytest-other-gpu.xml"
+# Probe overhead at LRM sizes (benchmarks/probe_overhead.py: per-phase costs and a direct run).
+run_step probe_overhead 150 $PYP benchmarks/probe_overhead.py --device cuda --out "$WORK/bench"
 BENCH_LIMIT=$(( $(remaining) - 25 ))
 [ "$BENCH_LIMIT" -gt 240 ] && BENCH_LIMIT=240
 # The benchmark stops starting new shapes 45 s before its limit, so it ends with its files written.

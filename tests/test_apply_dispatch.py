@@ -157,3 +157,21 @@ def test_two_ranks_run_the_identical_plan_or_fail_loudly(tmp_path, tamper):
         assert all("ranks run different dispatch plans" in r.get("error", "") for r in results), results
     else:
         assert results[0]["digest"] == results[1]["digest"]
+
+
+def test_gradient_format_reaches_layers_and_the_probe(tmp_path):
+    """``dispatch.grad_format`` is public on the Dispatcher, set on every layer, and measured by the Probe."""
+    from loka_torchrec.fp8 import Fp8Format
+    from loka_torchrec.probe import ProbeCallback, ProbeConfig
+
+    model = mlp()
+    report = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", grad_format="e5m2"))
+    dispatcher = report.dispatcher
+    assert dispatcher.grad_format == Fp8Format.E5M2
+    assert all(layer.grad_format == Fp8Format.E5M2 for layer in dispatcher.managed_layers().values())
+    probe_cfg = ProbeConfig(enabled=True, every=1, warmup_steps=1, every_after=1, samples=2, speed_reps=1)
+    callback = ProbeCallback(model, probe_cfg, run_dir=str(tmp_path), consumer=dispatcher)
+    model(torch.randn(8, model[0].in_features)).sum().backward()
+    callback.on_step_end(0)
+    callback.close()
+    assert callback._speed_cache is not None and Fp8Format.parse(callback._speed_cache.grad_format) == Fp8Format.E5M2

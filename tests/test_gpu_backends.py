@@ -221,3 +221,26 @@ def test_loka_linear_forward_and_gradients_within_format_bound(backend_name, rec
         slack = 2.0**-7 * exact.abs()  # the bias add (y) and casts after the GEMM, in bf16
         err = (got.double() - exact).abs()
         assert torch.all(err <= bound + slack), f"{name}: max error / bound = {(err / (bound + slack)).max().item():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_scaled_mm_quantizes_with_the_fused_kernel_like_eager_torch(granularity, monkeypatch):
+    """On the GPU ``scaled_mm`` quantizes through the Triton kernel; codes and scales equal eager torch's."""
+    from loka_torchrec.dispatch.backends import operand_quantize
+
+    x, _, _ = _layer_tensors(seed=11)
+    spec = recipe_for(granularity, GemmRole.FORWARD).a
+    assert operand_quantize.fused_quantize_available(x)
+    fused = backends.get_backend("scaled_mm").quantize(x, spec)
+    pair, pair_t = backends.get_backend("scaled_mm").quantize_with_transpose(x, spec)
+    monkeypatch.setenv("LOKA_EAGER_QUANTIZE", "1")
+    assert not operand_quantize.fused_quantize_available(x)
+    eager = backends.get_backend("scaled_mm").quantize(x, spec)
+    assert torch.equal(fused.dequant_scale, eager.dequant_scale)
+    assert torch.equal(fused.data.view(torch.uint8), eager.data.view(torch.uint8))
+    eager_t = backends.get_backend("scaled_mm").quantize(x.t(), spec)
+    assert torch.equal(pair.data.view(torch.uint8), eager.data.view(torch.uint8))
+    assert torch.equal(pair_t.dequant_scale, eager_t.dequant_scale)
+    assert torch.equal(pair_t.data.view(torch.uint8), eager_t.data.view(torch.uint8))

@@ -135,6 +135,14 @@ def quantize_calls(monkeypatch):
             return _original(t, spec, name=name)
 
         monkeypatch.setattr(backend, "quantize", spy)
+        paired = getattr(backend, "quantize_with_transpose", None)
+        if paired is not None:
+
+            def spy_pair(t, spec, *, name="operand", _original=paired):
+                calls.append(f"{name}+T")  # the operand and its transpose from one call
+                return _original(t, spec, name=name)
+
+            monkeypatch.setattr(backend, "quantize_with_transpose", spy_pair)
     return calls
 
 
@@ -306,11 +314,39 @@ def test_weight_cache_rowwise_quantizes_both_axes(quantize_calls):
     for _ in range(3):
         layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
     assert quantize_calls.count("weight") == 1 and quantize_calls.count("weight^T") == 1
-    assert quantize_calls.count("input^T") == 3  # per column of x: quantized in each forward
+    # x with x^T (scaled per column of x) and dy with dy^T: one paired call each per step
+    assert quantize_calls.count("input+T") == 3 and quantize_calls.count("grad_output+T") == 3
+    assert quantize_calls.count("input^T") == 0 and quantize_calls.count("input") == 0
     with torch.no_grad():
         layer.weight.add_(1.0)  # any in-place update invalidates
     layer(torch.randn(8, 32))
     assert quantize_calls.count("weight") == 2
+
+
+@pytest.mark.parametrize("choice", ["scaled_mm:rowwise", "scaled_mm:tensorwise"])
+def test_paired_quantization_equals_separate_quantization(choice, monkeypatch):
+    """x with x^T and dy with dy^T from one call give bit-identical outputs and gradients."""
+    torch.manual_seed(3)
+    x, dy = make_inputs()
+    layer = LokaLinear(IN, OUT, kernels=kernels_for(choice, "all"))
+    paired = run_layer(layer, x, dy)
+    monkeypatch.setattr(LokaLinear, "_paired", lambda self, *args, **kwargs: None)
+    layer.weight.grad = layer.bias.grad = None
+    separate = run_layer(layer, x, dy)
+    for got, want in zip(paired, separate):
+        assert torch.equal(got, want)
+
+
+def test_paired_quantization_skipped_when_rows_need_padding(quantize_calls, monkeypatch):
+    """Rows that grad-weight must pad (alignment 16) fall back to separate quantization, exactly."""
+    monkeypatch.setattr(get_backend("scaled_mm"), "alignment", lambda device: 16)
+    layer = LokaLinear(32, 16, kernels=kernels_for("scaled_mm:rowwise", "all"))
+    x = torch.randn(10, 32, requires_grad=True)  # 10 rows: padded to 16 for grad-weight
+    y = layer(x)
+    y.sum().backward()
+    assert "input+T" not in quantize_calls and "input^T" in quantize_calls
+    ref = x.detach().double() @ layer.weight.detach().double().t() + layer.bias.detach().double()
+    assert torch.allclose(y.detach().double(), ref, rtol=0.15, atol=0.15)
 
 
 @pytest.mark.parametrize(
@@ -346,8 +382,11 @@ def saved_for_backward(layer, x):
         # FP8 wgrad after a high-precision forward: the quantized x^T operand (in, rows)
         (LayerKernels(wgrad=KernelChoice("emulated", "rowwise")), (torch.float8_e4m3fn, (40, 24))),
         (LayerKernels(wgrad=KernelChoice("emulated", "blockwise")), (torch.float8_e4m3fn, (40, 24))),
-        # tensorwise forward and wgrad: the forward's FP8 x, transposed only in the backward
-        (kernels_for("scaled_mm:tensorwise", "all"), (torch.float8_e4m3fn, (24, 40))),
+        # tensorwise forward and wgrad on a backend without paired quantization: the forward's
+        # FP8 x, transposed only in the backward
+        (kernels_for("emulated:tensorwise", "all"), (torch.float8_e4m3fn, (24, 40))),
+        # with paired quantization (scaled_mm): x^T written with x in one call, kept for wgrad
+        (kernels_for("scaled_mm:tensorwise", "all"), (torch.float8_e4m3fn, (40, 24))),
         # rowwise forward scales rows of x, wgrad needs columns: a second operand x^T
         (kernels_for("scaled_mm:rowwise", "all"), (torch.float8_e4m3fn, (40, 24))),
     ],

@@ -116,6 +116,11 @@ class Dispatcher(EvidenceConsumer):
         self.plan: DispatchPlan = self._initial_plan()
         self._apply(self.plan)
 
+    @property
+    def grad_format(self) -> Fp8Format:
+        """FP8 format of the gradient operands (``dispatch.grad_format``); the Probe measures with it."""
+        return self._grad_format
+
     # ------------------------------------------------------------------ EvidenceConsumer
     def managed_layers(self) -> Dict[str, torch.nn.Module]:
         return dict(self._layers)

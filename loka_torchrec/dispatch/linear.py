@@ -417,12 +417,39 @@ class LokaLinear(nn.Linear):
 
     # ----------------------------------------------------------------------------- GEMMs
     def _quantize(self, kernel: _RoleKernel, t: torch.Tensor, spec: OperandSpec, name: str) -> Any:
-        op = kernel.backend.quantize(t, spec, name=name)
+        return self._counted(kernel.backend.quantize(t, spec, name=name))
+
+    def _counted(self, op: Any) -> Any:
         scale = getattr(op, "dequant_scale", None)
         if isinstance(scale, torch.Tensor):
             # Counted on the device: a NaN scale means inf/NaN in the operand; no host sync.
             self.nonfinite_events.add_((~torch.isfinite(scale)).any().to(torch.int64))
         return op
+
+    def _paired(
+        self, t: torch.Tensor, first: _RoleKernel, first_spec: str, second: _RoleKernel, second_spec: str,
+        cols: int, name: str,
+    ) -> Optional[Tuple[Any, Any]]:
+        """``t`` (rows, cols) as an operand of ``first`` and ``t^T`` as one of ``second``, from one read.
+
+        ``first_spec`` / ``second_spec`` name the operand (``"a"`` or ``"b"``) of each recipe. Only
+        where one backend runs both GEMMs with the same tensorwise or rowwise spec, offers
+        ``quantize_with_transpose``, and neither operand needs padding beyond ``cols``; else ``None``
+        (the caller quantizes each operand on its own).
+        """
+        if not (first.fp8 and second.fp8) or first.choice.backend != second.choice.backend:
+            return None
+        spec = getattr(first.recipe, first_spec)
+        if spec != getattr(second.recipe, second_spec) or spec.granularity == Granularity.BLOCKWISE:
+            return None
+        rows = t.shape[0]
+        if second.padded(rows) != rows or second.padded(cols) != first.padded(cols) or first.padded(cols) != cols:
+            return None
+        pair = getattr(first.backend, "quantize_with_transpose", None)
+        if pair is None:
+            return None
+        op, op_t = pair(t, spec, name=name)
+        return self._counted(op), self._counted(op_t)
 
     def _weight_cache_for(self, weight: torch.Tensor) -> Optional[Dict[Tuple, Any]]:
         """The operand cache valid for ``weight``'s current values, or ``None`` when not caching."""
@@ -463,16 +490,21 @@ class LokaLinear(nn.Linear):
         return op
 
     def _forward_gemm(
-        self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: _RoleKernel
+        self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: _RoleKernel,
+        xq: Any = None,
     ) -> Tuple[torch.Tensor, Any]:
-        """``y (rows, out) = x W^T + b``; also returns the quantized ``x`` (``None`` in high precision)."""
+        """``y (rows, out) = x W^T + b``; also returns the quantized ``x`` (``None`` in high precision).
+
+        ``xq``: ``x`` already quantized for this kernel (by :meth:`_paired`), else ``None``.
+        """
         backend = kernel.backend
         w_op = self._weight_operand(weight, kernel, transposed=False)
         if not kernel.fp8:
             y, xq = backend.mm(backend.quantize(x2d), w_op, None, x2d.dtype), None
         else:
-            x_pad = _pad2d(x2d, x2d.shape[0], kernel.padded(self.in_features))
-            xq = self._quantize(kernel, x_pad, kernel.recipe.a, "input")
+            if xq is None:
+                x_pad = _pad2d(x2d, x2d.shape[0], kernel.padded(self.in_features))
+                xq = self._quantize(kernel, x_pad, kernel.recipe.a, "input")
             y = backend.mm(xq, w_op, kernel.recipe, x2d.dtype)
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features]
@@ -500,30 +532,40 @@ class LokaLinear(nn.Linear):
         return "operand", self._quantize(wk, _pad2d(x2d.t(), *shape), wk.recipe.b, "input^T")
 
     def _grad_input(
-        self, dy2d: torch.Tensor, weight: torch.Tensor, kernel: _RoleKernel, out_dtype: torch.dtype
+        self, dy2d: torch.Tensor, weight: torch.Tensor, kernel: _RoleKernel, out_dtype: torch.dtype, dyq: Any = None
     ) -> Tuple[torch.Tensor, Any]:
-        """``dx (rows, in) = dy W``; also returns the quantized ``dy`` (``None`` in high precision)."""
+        """``dx (rows, in) = dy W``; also returns the quantized ``dy`` (``None`` in high precision).
+
+        ``dyq``: ``dy`` already quantized for this kernel (by :meth:`_paired`), else ``None``.
+        """
         backend = kernel.backend
         w_op = self._weight_operand(weight, kernel, transposed=True)
         if not kernel.fp8:
             return backend.mm(backend.quantize(dy2d), w_op, None, out_dtype), None
-        dy_pad = _pad2d(dy2d, dy2d.shape[0], kernel.padded(self.out_features))
-        dyq = self._quantize(kernel, dy_pad, kernel.recipe.a, "grad_output")
+        if dyq is None:
+            dy_pad = _pad2d(dy2d, dy2d.shape[0], kernel.padded(self.out_features))
+            dyq = self._quantize(kernel, dy_pad, kernel.recipe.a, "grad_output")
         dx = backend.mm(dyq, w_op, kernel.recipe, out_dtype)
         if dx.shape[1] != self.in_features:
             dx = dx[:, : self.in_features]
         return dx, dyq
 
     def _grad_weight(
-        self, dy2d: torch.Tensor, x_mode: str, x_op: Any, dyq: Any, plan: _ShapePlan, out_dtype: torch.dtype
+        self, dy2d: torch.Tensor, x_mode: str, x_op: Any, dyq: Any, plan: _ShapePlan, out_dtype: torch.dtype,
+        dytq: Any = None,
     ) -> torch.Tensor:
-        """``dW (out, in) = dy^T x`` from the kept activation and, where reusable, dgrad's FP8 ``dy``."""
+        """``dW (out, in) = dy^T x`` from the kept activation and, where reusable, dgrad's FP8 ``dy``.
+
+        ``dytq``: the operand ``dy^T`` already quantized for this kernel (by :meth:`_paired`), else ``None``.
+        """
         wk, dk = plan.wgrad, plan.dgrad
         backend = wk.backend
         if not wk.fp8:
             return backend.mm(backend.quantize(dy2d.t()), backend.quantize(x_op.t()), None, out_dtype)
         shape = (self.out_features, wk.padded(dy2d.shape[0]))  # dy^T: (M, K) of grad-weight; M is not padded
-        if (
+        if dytq is not None:
+            a = dytq
+        elif (
             isinstance(dyq, Fp8Tensor)
             and dk.choice.backend == wk.choice.backend
             and _transpose_reusable(dk.recipe.a, wk.recipe.a)
@@ -544,12 +586,19 @@ class _LokaLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer: LokaLinear, plan: _ShapePlan):  # type: ignore[override]
-        y, xq = layer._forward_gemm(x2d, weight, bias, plan.fwd)
+        # x for the forward GEMM and x^T for grad-weight from one read of x, where one backend runs both.
+        pair = None
+        if ctx.needs_input_grad[1]:
+            pair = layer._paired(x2d, plan.fwd, "a", plan.wgrad, "b", layer.in_features, "input")
+        y, xq = layer._forward_gemm(x2d, weight, bias, plan.fwd, xq=None if pair is None else pair[0])
         ctx.layer, ctx.plan = layer, plan
         ctx.x_dtype = x2d.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_mode, x_tensors, ctx.x_meta = "none", (), ("opaque", None)
-        if ctx.needs_input_grad[1]:
+        if pair is not None:
+            ctx.x_mode, x_op = "operand", pair[1]
+            x_tensors, ctx.x_meta = _pack_operand(x_op)
+        elif ctx.needs_input_grad[1]:
             ctx.x_mode, x_op = layer._wgrad_activation(x2d, xq, plan)
             x_tensors, ctx.x_meta = _pack_operand(x_op)
         # The weight is saved so that autograd's version check catches an in-place update between
@@ -563,11 +612,17 @@ class _LokaLinearFunction(torch.autograd.Function):
         weight, *x_tensors = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         dyq = None
+        # dy for grad-input and dy^T for grad-weight from one read of dy, where one backend runs both.
+        pair = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            pair = layer._paired(dy2d, plan.dgrad, "a", plan.wgrad, "a", layer.out_features, "grad_output")
         if ctx.needs_input_grad[0]:
-            grad_x, dyq = layer._grad_input(dy2d, weight, plan.dgrad, ctx.x_dtype)
+            grad_x, dyq = layer._grad_input(dy2d, weight, plan.dgrad, ctx.x_dtype, dyq=None if pair is None else pair[0])
         if ctx.needs_input_grad[1]:
             x_op = _unpack_operand(tuple(x_tensors), ctx.x_meta)
-            grad_w = layer._grad_weight(dy2d, ctx.x_mode, x_op, dyq, plan, weight.dtype)
+            grad_w = layer._grad_weight(
+                dy2d, ctx.x_mode, x_op, dyq, plan, weight.dtype, dytq=None if pair is None else pair[1]
+            )
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dy2d.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None

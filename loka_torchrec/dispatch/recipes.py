@@ -8,6 +8,10 @@ operand layout of each role):
 * gradients (``A`` of ``dgrad`` and ``wgrad``) use ``grad_format`` (E4M3 by default: with
   per-tensor or finer scaling its extra mantissa bit beats E5M2's range; E5M2 is one flag away);
 * blockwise uses 1x128 tiles for activations and gradients and 128x128 for weights.
+
+A backend may name a variant of a granularity for a different GEMM kernel (``triton_rowwise``:
+FBGEMM's Triton kernel on rowwise operands); :data:`RECIPE_GRANULARITY` maps every name to its
+operand granularity.
 """
 
 from __future__ import annotations
@@ -18,9 +22,17 @@ from typing import Optional, Tuple
 from loka_torchrec.evidence import GemmRole
 from loka_torchrec.fp8 import Fp8Format, Granularity
 
-__all__ = ["OperandSpec", "GemmRecipe", "FP8_RECIPE_NAMES", "recipe_for"]
+__all__ = ["OperandSpec", "GemmRecipe", "FP8_RECIPE_NAMES", "RECIPE_GRANULARITY", "recipe_for"]
 
-FP8_RECIPE_NAMES = ("tensorwise", "rowwise", "blockwise")
+RECIPE_GRANULARITY = {
+    "tensorwise": Granularity.TENSORWISE,
+    "rowwise": Granularity.ROWWISE,
+    "blockwise": Granularity.BLOCKWISE,
+    "triton_rowwise": Granularity.ROWWISE,
+}
+"""Every FP8 recipe name a backend may declare, and the operand granularity it stands for."""
+
+FP8_RECIPE_NAMES = tuple(RECIPE_GRANULARITY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +67,7 @@ def recipe_for(
     role = GemmRole(role)
     if name not in FP8_RECIPE_NAMES:
         raise ValueError(f"recipe: unknown FP8 recipe {name!r}; expected one of {', '.join(FP8_RECIPE_NAMES)}")
-    granularity = Granularity(name)
+    granularity = RECIPE_GRANULARITY[name]
     a_fmt = Fp8Format.E4M3 if role == GemmRole.FORWARD else Fp8Format.parse(grad_format, field="grad_format")
     act_block = (1, 128) if granularity == Granularity.BLOCKWISE else None
     # B is the weight in fwd and dgrad, the activation x^T in wgrad.

@@ -14,22 +14,24 @@ Recipes:
 
 Both GEMMs are forward-only ops: the backend computes ``A @ B^T`` of whatever operands it is
 given, so the grad-input (``dy @ W``) and grad-weight (``dy^T @ x``) GEMMs go through it like the
-forward one, with their operands made row-major (``contiguous()``) first. E5M2 operands and
-power-of-two scales are quantized by :func:`loka_torchrec.fp8.quantize` (plain torch, not fused).
+forward one. Row-major E4M3 operands are quantized by FBGEMM's own kernel; transposed views, E5M2
+operands and power-of-two scales by the project's fused kernel on the GPU
+(:mod:`~loka_torchrec.dispatch.backends.operand_quantize`).
 Needs a CUDA GPU of compute capability 9.0 or newer; K and N must be multiples of 16.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
 from loka_torchrec.dispatch.backends.base import Availability, GemmBackend, register_backend
+from loka_torchrec.dispatch.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
 from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.evidence import GemmShape
-from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity, quantize
+from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity
 
 __all__ = ["FbgemmBackend"]
 
@@ -139,12 +141,17 @@ class FbgemmBackend(GemmBackend):
     def quantize(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Fp8Tensor:
         if spec.granularity != Granularity.ROWWISE:
             raise ValueError(f"fbgemm: only rowwise operands are supported, got {spec.granularity.value} for {name}")
-        if spec.fmt == Fp8Format.E4M3 and not spec.power_of_two:
-            # The fused FBGEMM kernel reads bf16 row-major rows.
-            x = t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
-            xq, x_scale = torch.ops.fbgemm.quantize_fp8_per_row(x.contiguous())
+        if spec.fmt == Fp8Format.E4M3 and not spec.power_of_two and t.dtype == torch.bfloat16 and t.is_contiguous():
+            # FBGEMM's fused kernel reads bf16 row-major rows.
+            xq, x_scale = torch.ops.fbgemm.quantize_fp8_per_row(t)
             return Fp8Tensor(xq, x_scale.reshape(-1, 1).to(torch.float32), Fp8Format.E4M3, Granularity.ROWWISE)
-        return quantize(t, spec.fmt, Granularity.ROWWISE, power_of_two=spec.power_of_two, nonfinite="propagate", name=name)
+        return quantize_operand(t, spec, name=name)
+
+    def quantize_with_transpose(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Tuple[Fp8Tensor, Fp8Tensor]:
+        """``t`` and ``t^T`` as two rowwise operands from one read of ``t`` (the project's kernel)."""
+        if spec.granularity != Granularity.ROWWISE:
+            raise ValueError(f"fbgemm: only rowwise operands are supported, got {spec.granularity.value} for {name}")
+        return quantize_operand_with_transpose(t, spec, name=name)
 
     def mm(self, a: Fp8Tensor, b: Fp8Tensor, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
         a_data, b_data = a.data.contiguous(), b.data.contiguous()

@@ -5,15 +5,21 @@ It runs on CUDA GPUs of compute capability 8.9 and newer, and on the CPU from to
 ``b`` column-major ``(K, N)`` (so we pass ``B.t()`` of a row-major ``(N, K)`` operand), and fp32
 *dequantization* scales: ``()`` for tensorwise, ``(M, 1)`` and ``(1, N)`` for rowwise. On CUDA, K
 and N must be multiples of 16, and rowwise scaling needs a bfloat16 output.
+
+Operands are quantized by :mod:`~loka_torchrec.dispatch.backends.operand_quantize`: the fused
+Triton kernel on the GPU, eager torch ops on the CPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import Tuple
+
 from loka_torchrec.dispatch.backends.base import Availability, GemmBackend, register_backend
+from loka_torchrec.dispatch.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
 from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
-from loka_torchrec.fp8 import Fp8Tensor, Granularity, quantize
+from loka_torchrec.fp8 import Fp8Tensor, Granularity
 
 __all__ = ["ScaledMMBackend"]
 
@@ -43,7 +49,13 @@ class ScaledMMBackend(GemmBackend):
     def quantize(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Fp8Tensor:
         if spec.granularity == Granularity.BLOCKWISE:
             raise ValueError("scaled_mm: blockwise scaling is not supported; use tensorwise or rowwise")
-        return quantize(t, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, nonfinite="propagate", name=name)
+        return quantize_operand(t, spec, name=name)
+
+    def quantize_with_transpose(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Tuple[Fp8Tensor, Fp8Tensor]:
+        """``t`` and ``t^T`` as two operands of ``spec`` from one read of ``t`` on the GPU."""
+        if spec.granularity == Granularity.BLOCKWISE:
+            raise ValueError("scaled_mm: blockwise scaling is not supported; use tensorwise or rowwise")
+        return quantize_operand_with_transpose(t, spec, name=name)
 
     def mm(self, a: Fp8Tensor, b: Fp8Tensor, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
         scale_b = b.dequant_scale
