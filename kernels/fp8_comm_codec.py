@@ -291,7 +291,9 @@ if HAS_TRITON:
             k = tl.minimum(tl.maximum(k, -126), 126)
             scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
         else:
-            scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+            # As torch evaluates the reference's ``fp8_max / amax``: ``amax.reciprocal() * fp8_max``,
+            # two correctly rounded steps (one division rounds differently in the last bit).
+            scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX
         y = tl.minimum(tl.maximum(x * scale[:, None], -FP8_MAX), FP8_MAX)
         y = tl.where(finite, y, 0.0)
         # Round to the FP8 grid here (round to nearest even, in exact float32 steps), so the cast

@@ -271,6 +271,18 @@ def _quantize_into(
             )  # fmt: skip
             return
         tensor = granularity == Granularity.TENSORWISE
+        if tensor and write_col:
+            # The transposed store of a tensorwise tile wrote wrong (NaN) codes for some shapes on an
+            # H100 (Triton 3.6), where the rowwise and blockwise transposed stores are exact. One
+            # scale serves both orientations, so the transposed codes are the row-major codes moved:
+            # quantize row-major (into a scratch tensor where only the transpose was asked for),
+            # then copy the FP8 bytes transposed.
+            q_rows = q if write_row else torch.empty((rows, cols), dtype=qt.dtype, device=s.device)
+            dq_rows = dq if write_row else torch.empty((), dtype=torch.float32, device=s.device)
+            _quantize_into(s, fmt, granularity, block_k, power_of_two, q_rows, dq_rows, None, None)
+            qt.copy_(q_rows.t())
+            dqt.copy_(dq_rows)
+            return
         # One zeroed buffer (one memset) holds the per-row and per-column (or the global) amax bits.
         n_row = 1 if tensor or not write_row else rows
         amax_bits = torch.zeros(n_row + (0 if tensor or not write_col else cols), dtype=torch.int32, device=s.device)

@@ -27,17 +27,20 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from loka_torchrec.baselines import BaselineConfig
     from loka_torchrec.config import LokaConfig
     from loka_torchrec.models import build_model
     from loka_torchrec.training.data import make_data
     from loka_torchrec.training.distributed import init_distributed
-    from loka_torchrec.training.trainer import TrainConfig, Trainer
+    from loka_torchrec.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka
 
     # Validate everything the user typed before any process-group work.
     model_cfg = dict(cfg.get("model") or {})
     model_name = model_cfg.pop("name", None)
     train_cfg = TrainConfig(**dict(cfg.get("train") or {}))
     loka_cfg = LokaConfig.from_dict(cfg.get("loka") or {})
+    baseline_cfg = BaselineConfig.from_dict(cfg.get("baseline") or {})
+    check_baseline_vs_loka(baseline_cfg, loka_cfg)
     data_cfg = dict(cfg.get("data") or {})
 
     import warnings
@@ -60,9 +63,14 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
             loka_config=loka_cfg,
             run_dir=run_dir,
             batch_size=data.batch_size,
+            baseline_config=baseline_cfg,
         )
         summary = trainer.fit()
         summary["teacher_eval_ne"] = data.teacher_ne
+        if ctx.is_main:  # the Trainer wrote it without the teacher's NE, which only the data knows
+            from loka_torchrec.training.trainer import _write_json
+
+            _write_json(os.path.join(run_dir, "summary.json"), summary)
         # The pipeline may still hold input distributions issued for batches it prefetched: let
         # every rank finish them before the process group goes away (else a C++ abort at exit).
         del trainer
@@ -86,17 +94,29 @@ def format_summary(s: Dict[str, Any]) -> str:
         "",
         "==== loka-torchrec run summary ====",
         f"steps            {s['steps']} ({s['steps_this_run']} this run, {s['world_size']} rank(s) on {s['device']})",
-        f"step time        {f(s['median_step_ms'], '.1f')} ms median    QPS {f(s['qps'], '.0f')} samples/s",
+        f"step time        {f(s['median_step_ms'], '.1f')} ms median (p10 {f(s.get('p10_step_ms'), '.1f')}, "
+        f"p90 {f(s.get('p90_step_ms'), '.1f')}, {s.get('timed_steps', 'n/a')} steps timed)    "
+        f"QPS {f(s['qps'], '.0f')} samples/s",
         f"train NE / AUC   {f(s['train_ne'])} / {f(s['train_auc'])}   (last logging window)",
         f"eval  NE / AUC   {f(s['eval_ne'])} / {f(s['eval_auc'])}   (teacher's own NE: {f(s.get('teacher_eval_ne'))})",
     ]
+    if s.get("peak_memory_gb") is not None:
+        lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)")
+    if s.get("autocast", "none") != "none":
+        lines.append(f"autocast         {s['autocast']} (dense forward)")
+    baseline = s.get("baseline")
     loka = s.get("loka")
+    if baseline:
+        lines.append(
+            f"baseline         {baseline['kind']}:{baseline['recipe']}: {baseline['converted_layers']} layers in FP8, "
+            f"{baseline['skipped_layers']} left in high precision"
+        )
     if loka:
         lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
         lines.append(f"dispatch plan    {loka['plan_file']}")
         if loka.get("fallen_back"):
             lines.append(f"safety valve     in bf16 now: {sorted(loka['fallen_back'])}")
-    else:
+    elif not baseline:
         lines.append("LoKA             off (loka.enabled=false)")
     lines.append(f"logs             {s['run_dir']} (summary.json, rank*/metrics.jsonl, rank*/train.log)")
     return "\n".join(lines)

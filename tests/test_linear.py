@@ -638,3 +638,18 @@ def test_cuda_torch_compile_inductor_matches_eager():
         # beyond E4M3's unit roundoff would be a different computation.
         assert rel_err(comp, eager.double(), eager.double()) <= E4M3.unit_roundoff
     torch._dynamo.reset()
+
+
+def test_nonfinite_scales_are_counted_in_batches_without_losing_any():
+    """The scale queue stays bounded over many steps, and a NaN queued long ago is still counted."""
+    layer = LokaLinear(16, 8, kernels=kernels_for("emulated:rowwise", "all"))
+    for step in range(30):  # 4 operands per step: 120 queued scales, flushed every 64
+        x = torch.randn(5, 16, requires_grad=True)
+        if step == 3:
+            with torch.no_grad():
+                x[1, 2] = float("nan")  # one row of x (and of nothing else rowwise) goes NaN
+        layer(x).sum().backward()
+        assert len(layer._pending_scales) < 64
+    # x's row 1 (forward), column 2 of x (x^T for grad-weight: one group); dy and W stay finite...
+    # ...except dx and dW, which are outputs, not operands. So exactly 2 groups.
+    assert int(layer.nonfinite_events) == 2 and not layer._pending_scales

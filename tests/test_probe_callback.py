@@ -133,7 +133,7 @@ def test_config_validation_names_the_field():
         ProbeConfig(amax_jump_ratio=1.0)
     with pytest.raises(ValueError, match="samples: a confidence interval needs at least 2"):
         ProbeConfig(samples=1)
-    assert ProbeConfig().resolved_samples("cpu") == 8 and ProbeConfig().resolved_samples("cuda") == 100
+    assert ProbeConfig().resolved_samples("cpu") == 8 and ProbeConfig().resolved_samples("cuda") == 16
 
 
 def test_replan_at_the_end_of_warmup_with_evidence_for_every_layer_role_and_candidate(tmp_path):
@@ -289,3 +289,20 @@ def test_valve_fractions_need_a_rise_beyond_sampling_noise():
     signals = sorted(t.signal for t in check_shift("grad", ref, many, CFG))
     assert signals == ["saturation_rise"]  # 3% saturated of a million elements is real; 4.7% underflow is below 0.05
     assert [t.detail for t in check_shift("act", ref, dict(many, underflow={"e4m3": {"rowwise": 0.2}}), CFG) if t.signal == "underflow_rise"] == ["e4m3.rowwise"]
+
+
+def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
+    """summary.json: at the plan, on a valve event, every 10th report and at close; not on every report."""
+    import loka_torchrec.probe.callback as callback_module
+
+    writes = []
+    original = callback_module.write_json_atomic
+    monkeypatch.setattr(callback_module, "write_json_atomic", lambda path, obj: (writes.append(obj["step"]), original(path, obj)))
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    cfg = ProbeConfig(enabled=True, every=1, warmup_steps=2, every_after=1, samples=2, speed_reps=1, max_rows_per_step=32)
+    cb = probe(model, cfg, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 12)  # 12 reports: the plan at step 1, then quiet monitoring
+    assert writes == [1, 9]  # the planning report, then the 10th report (step 9)
+    cb.close()
+    assert writes == [1, 9, 11] and read_summary(tmp_path / "probe" / "summary.json")[0]["planned"]

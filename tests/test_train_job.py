@@ -24,9 +24,10 @@ SMALL = [
 ]
 
 
-def launch(run_dir, *overrides, nproc=2, expect_ok=True):
+def launch(run_dir, *overrides, nproc=2, expect_ok=True, base=SMALL):
+    """torchrun the real entry point with ``base`` (the small DLRM overrides by default) + ``overrides``."""
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "loka_torchrec.train", *SMALL, *overrides]
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "loka_torchrec.train", *base, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -81,6 +82,65 @@ def test_single_process_without_torchrun(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LoKA             off" in proc.stdout
+
+
+# The DHEN and HSTU recipes (recipes/model/{dhen,hstu}.yaml) as they are, made faster: fewer,
+# smaller batches and a cheap dispatch plan (the CPU speed gate off, as scripts/run.sh does).
+FAST_RECIPE = [
+    "device=cpu",
+    "train.steps=30",
+    "train.log_every=10",
+    "train.progress_bar=false",
+    "data.batch_size=128",
+    "data.eval_batches=4",
+    "loka.dispatch.min_speedup=0",
+    "loka.dispatch.samples=3",
+    "loka.dispatch.timing_reps=1",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, mods, dispatch, probe",
+    [
+        # The policy's timed plan costs seconds on 2 cores: two runs plan (one from the probe's
+        # evidence), two pin FP8 everywhere (same LokaLinear path, no timing).
+        ("dhen", "none", "all:scaled_mm:rowwise", False),
+        ("dhen", "all", "policy", True),
+        ("hstu", "none", "policy", False),
+        ("hstu", "all", "all:scaled_mm:rowwise", False),
+    ],
+)
+def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mods, dispatch, probe):
+    run_dir = tmp_path / "run"
+    extra = [f"model={model}", f"loka.mods.preset={mods}", f"loka.dispatch.mode={dispatch}"]
+    if probe:  # a short warm-up so that the probe's evidence reaches the dispatcher within the run
+        extra += ["loka.probe.enabled=true", "loka.probe.warmup_steps=10", "loka.probe.every=5"]
+    proc = launch(run_dir, *extra, base=FAST_RECIPE)
+    assert "loka-torchrec run summary" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["world_size"] == 2
+    assert summary["eval_ne"] < 1.0
+    assert summary["loka"]["fp8_gemms"] > 0
+    train = [r for r in read_metrics(run_dir) if "train/ne" in r]
+    assert len(train) == 3 and train[-1]["train/ne"] < train[0]["train/ne"]  # loss falls
+    hydra_cfg = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert f"name: {model}" in hydra_cfg
+    assert ("kind: sequence" if model == "hstu" else "kind: pooled") in hydra_cfg
+    log = (run_dir / "rank0" / "train.log").read_text()
+    if mods == "all":
+        assert "mods (preset=all)" in log
+        for mod in ("no_bias", "block_norm", "hard_swish", "fuse_siblings", "pad_to_16"):
+            assert f"  {mod}: " in log
+    else:
+        assert "mods (preset=" not in log
+    if probe:
+        for rank in (0, 1):
+            assert (run_dir / "probe" / f"rank{rank}.jsonl").stat().st_size > 0
+        plan = json.loads((run_dir / "dispatch_plan.json").read_text())
+        assert any(
+            role["source"] == "policy/probe" for layer in plan["layers"].values() for role in layer["roles"].values()
+        )
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[Ker
     """The FP8 candidates of ``config`` that can run on ``device``.
 
     ``"auto"`` expands to every recipe of every registered FP8 backend that is available here
-    (``emulated`` excluded). A candidate named explicitly that cannot run here raises
+    and declares ``in_auto`` (``emulated`` and ``triton`` excluded: name them to use them). A candidate named explicitly that cannot run here raises
     :class:`BackendUnavailableError` naming it and why, unless ``config.fallback == "bf16"``
     (then it is dropped with a warning).
     """
@@ -62,7 +62,7 @@ def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[Ker
                 if backend_name in ("bf16", "emulated"):
                     continue
                 backend = get_backend(backend_name)
-                if backend.availability(device).ok:
+                if backend.in_auto and backend.availability(device).ok:
                     out.extend(KernelChoice(backend_name, r) for r in backend.recipes)
             continue
         choice = KernelChoice.parse(name, field="dispatch.candidates")

@@ -34,7 +34,9 @@ role       GEMM                      A                    B
   where nothing else holds on to ``x``; it never adds more than 1 byte per element.
 * **Non-finite values.** Operands are quantized with ``nonfinite="propagate"``: a group holding inf
   or NaN gets a NaN scale, so every output reading it is NaN, never silently finite; each such
-  operand adds one to the device-side counter ``nonfinite_events`` without a host sync.
+  scaling group (the tensor, a row or a block) adds one to the counter ``nonfinite_events``. The
+  scales are counted in batches of up to 64 operands (one concatenation and one reduction on the
+  device, no host sync) and whenever the counter is read, so a step pays no per-operand kernels.
 * **Shapes a backend cannot take.** Checked with ``backend.check`` once per input shape (inputs
   whose row counts agree modulo the grad-weight backend's alignment count as one shape). Where
   the backend needs ``K`` and ``N`` to be multiples of an alignment (16 for ``torch._scaled_mm``
@@ -71,6 +73,7 @@ logger = logging.getLogger(__name__)
 
 _ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 _MAX_SHAPE_PLANS = 64  # input shapes remembered per layer (jagged inputs vary rows every step)
+_PENDING_SCALES = 64  # operands whose scales are counted for nonfinite_events in one batch
 
 
 def _is_compiling() -> bool:
@@ -189,9 +192,10 @@ class LokaLinear(nn.Linear):
 
     Attributes:
         last_rows: rows (product of the leading dims) of the last forward input; a Python int.
-        nonfinite_events: int64 scalar buffer on the layer's device (not in ``state_dict``):
-            FP8-quantized operands whose amax was inf or NaN. Per rank (TorchRec's DDP wrapper does
-            not broadcast buffers); reading it on the host syncs.
+        nonfinite_events: int64 scalar tensor on the layer's device (a non-persistent buffer, not
+            in ``state_dict``): scaling groups of FP8-quantized operands whose amax was inf or
+            NaN. Per rank (TorchRec's DDP wrapper does not broadcast buffers); reading it on the
+            host syncs.
         fallback_reasons: role -> why the planned kernel could not run at some shape (that GEMM
             ran in high precision instead). Cleared by :meth:`set_kernels`.
 
@@ -207,7 +211,7 @@ class LokaLinear(nn.Linear):
         LokaLinear(in_features=64, out_features=32, bias=True, fwd=emulated:rowwise, dgrad=bf16:hp, wgrad=bf16:hp, grad_format=e4m3)
     """
 
-    nonfinite_events: torch.Tensor
+    _nonfinite_count: torch.Tensor
     last_rows: int
     fallback_reasons: Dict[GemmRole, str]
 
@@ -227,7 +231,8 @@ class LokaLinear(nn.Linear):
 
     def _init_dispatch(self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device) -> None:
         # Non-persistent: a run-time counter, not model state; checkpoints stay nn.Linear's.
-        self.register_buffer("nonfinite_events", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self._pending_scales: list = []  # dequantization scales not yet counted (see nonfinite_events)
         self.last_rows = 0
         self.fallback_reasons = {}
         self._grad_format = Fp8Format.parse(grad_format, field="grad_format")
@@ -271,7 +276,7 @@ class LokaLinear(nn.Linear):
         )
         new.weight = weight
         new.bias = linear.bias
-        new.nonfinite_events = torch.zeros((), dtype=torch.int64, device=weight.device)
+        new._nonfinite_count = torch.zeros((), dtype=torch.int64, device=weight.device)
         new.train(linear.training)
         return new
 
@@ -383,7 +388,12 @@ class LokaLinear(nn.Linear):
             input: ``(*, in_features)`` floating point tensor.
 
         Returns:
-            ``(*, out_features)`` tensor of ``input``'s dtype.
+            ``(*, out_features)`` tensor of ``input``'s dtype; under ``torch.autocast`` (for
+            ``input``'s device type) of the autocast dtype, as ``nn.Linear`` there: the input is cast
+            to that dtype, an all-high-precision layer is ``F.linear`` under autocast, and FP8 GEMMs
+            quantize the cast input and the fp32 master weight with autocast off inside the layer
+            (the high-precision GEMMs of a mixed plan then run in the autocast dtype). Call
+            ``backward`` outside the autocast region, as PyTorch recommends.
         """
         if input.dim() == 0 or input.shape[-1] != self.in_features:
             raise ValueError(
@@ -396,6 +406,12 @@ class LokaLinear(nn.Linear):
         if rows == 0:
             return F.linear(input, weight, bias)  # nothing to quantize
         plan = self._plan(rows, input.device)
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            if plan.all_high_precision:
+                return F.linear(input, weight, bias)  # exactly nn.Linear under autocast
+            with torch.autocast(device_type, enabled=False):  # the kernels pick their own precision
+                return self.forward(input.to(torch.get_autocast_dtype(device_type)))
         if plan.all_high_precision and high_precision_dtype(input) == input.dtype == weight.dtype:
             return F.linear(input, weight, bias)  # exactly nn.Linear
         x2d = input.reshape(rows, self.in_features)
@@ -420,11 +436,29 @@ class LokaLinear(nn.Linear):
         return self._counted(kernel.backend.quantize(t, spec, name=name))
 
     def _counted(self, op: Any) -> Any:
+        """``op``, its scales queued for :attr:`nonfinite_events` (a NaN scale marks inf/NaN in its group)."""
         scale = getattr(op, "dequant_scale", None)
         if isinstance(scale, torch.Tensor):
-            # Counted on the device: a NaN scale means inf/NaN in the operand; no host sync.
-            self.nonfinite_events.add_((~torch.isfinite(scale)).any().to(torch.int64))
+            if _is_compiling():
+                self._nonfinite_count.add_(torch.isnan(scale).sum())  # traced: no Python-side queue
+            else:
+                self._pending_scales.append(scale.detach())
+                if len(self._pending_scales) >= _PENDING_SCALES:
+                    self._count_pending()
         return op
+
+    def _count_pending(self) -> None:
+        pending, self._pending_scales = self._pending_scales, []
+        if pending:
+            device = self._nonfinite_count.device
+            flat = torch.cat([s.reshape(-1).to(device) for s in pending])
+            self._nonfinite_count.add_(torch.isnan(flat).sum())
+
+    @property
+    def nonfinite_events(self) -> torch.Tensor:
+        """Scaling groups with inf/NaN so far (int64 scalar on the layer's device; see the class docstring)."""
+        self._count_pending()
+        return self._nonfinite_count
 
     def _paired(
         self, t: torch.Tensor, first: _RoleKernel, first_spec: str, second: _RoleKernel, second_spec: str,

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-__all__ = ["mere", "sqnr_db", "relative_frobenius"]
+__all__ = ["mere", "mere_tensor", "sqnr_db", "noise_and_signal", "sqnr_from_sums", "relative_frobenius"]
 
 
 def _pair(out: torch.Tensor, ref: torch.Tensor):
@@ -31,22 +31,35 @@ def _pair(out: torch.Tensor, ref: torch.Tensor):
 
 def mere(out: torch.Tensor, ref: torch.Tensor, *, floor_fraction: float = 0.1) -> float:
     """Mean elementwise relative error of ``out`` against ``ref`` (see the module docstring)."""
+    return float(mere_tensor(out, ref, floor_fraction=floor_fraction))
+
+
+def mere_tensor(out: torch.Tensor, ref: torch.Tensor, *, floor_fraction: float = 0.1) -> torch.Tensor:
+    """:func:`mere` as a float64 scalar tensor on the inputs' device (no host synchronization)."""
     out, ref = _pair(out, ref)
     if ref.numel() == 0:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64, device=ref.device)
     mag = ref.abs()
-    floor = floor_fraction * float(mag.mean())
-    denom = mag.clamp(min=floor) if floor > 0 else mag
+    denom = mag.clamp(min=floor_fraction * mag.mean()) if floor_fraction > 0 else mag
     err = (out - ref).abs()
     rel = torch.where(denom > 0, err / denom.clamp(min=1e-300), torch.where(err > 0, math.inf, 0.0))
-    return float(rel.mean())
+    return rel.mean()
 
 
 def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Signal to quantization-noise ratio in dB (higher is better)."""
+    noise, signal = noise_and_signal(out, ref).tolist()
+    return sqnr_from_sums(noise, signal)
+
+
+def noise_and_signal(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``[sum((out - ref)^2), sum(ref^2)]`` in float64 on the inputs' device (the sums of :func:`sqnr_db`)."""
     out, ref = _pair(out, ref)
-    noise = float(((out - ref) ** 2).sum())
-    signal = float((ref**2).sum())
+    return torch.stack([((out - ref) ** 2).sum(), (ref**2).sum()])
+
+
+def sqnr_from_sums(noise: float, signal: float) -> float:
+    """SQNR in dB from the two sums of :func:`noise_and_signal`."""
     if noise == 0.0:
         return math.inf
     if signal == 0.0:

@@ -112,3 +112,73 @@ def build_dcn(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> 
             dense_device=device,
         )
     )
+
+
+def _model_error(exc: Exception, config_name: str) -> ValueError:
+    """``DhenConfig.x must ...`` -> ``model.x must ...``: name the recipe field the user typed."""
+    return ValueError(str(exc).replace(f"{config_name}.", "model."))
+
+
+def _model_embedding_dim(options: Dict[str, Any], tables, model: str, kind: str) -> None:
+    """Fill ``options["embedding_dim"]`` from the data, or check that the two agree.
+
+    The model stacks (DHEN) or sums and scores (HSTU) the embeddings, so its width must be the
+    tables' width. The recipes set ``model.embedding_dim: ${data.embedding_dim}``; a user who
+    overrides only one of the two gets this error rather than a shape mismatch in the forward.
+    """
+    dims = sorted({t.embedding_dim for t in tables})
+    if len(dims) != 1:
+        raise ValueError(f"data.embedding_dim: the {model} model needs one embedding dim for all {kind} tables, got {dims}")
+    dim = options.setdefault("embedding_dim", dims[0])
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim != dims[0]:
+        raise ValueError(
+            f"model.embedding_dim: {dim!r} disagrees with data.embedding_dim ({dims[0]}); the {model} model's width "
+            f"is its tables' width: set `data.embedding_dim={dim}` instead (the recipes make model.embedding_dim "
+            f"follow it)"
+        )
+
+
+@register_model("dhen")
+def build_dhen_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """The DHEN-style model (:mod:`loka_torchrec.models.dhen`) on pooled data.
+
+    ``options`` are :class:`~loka_torchrec.models.dhen.DhenConfig` fields (plus an optional
+    ``preset``: ``small``/``large`` for the fields not given); ``embedding_dim`` defaults to, and
+    must equal, ``data.embedding_dim``. Needs ``data.kind=pooled``.
+    """
+    from loka_torchrec.models.dhen import DhenConfig, build_dhen
+
+    if not spec.pooled_tables:
+        raise ValueError(
+            "model.name: the dhen model needs pooled sparse features (data.kind=pooled; select them with "
+            "`data=pooled`), but the data has only sequence features"
+        )
+    _model_embedding_dim(options, spec.pooled_tables, "dhen", "pooled")
+    try:
+        config = DhenConfig.from_options(options)
+        return build_dhen(config, spec, device)
+    except (TypeError, ValueError) as exc:
+        raise _model_error(exc, "DhenConfig") from exc
+
+
+@register_model("hstu")
+def build_hstu_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """The HSTU-style model (:mod:`loka_torchrec.models.hstu`) on sequence data.
+
+    ``options`` are :class:`~loka_torchrec.models.hstu.HstuConfig` fields (plus an optional
+    ``preset``); ``embedding_dim`` defaults to, and must equal, ``data.embedding_dim``. Needs
+    ``data.kind=sequence``; the longest history (``data.max_seq_len``) sets the attention length.
+    """
+    from loka_torchrec.models.hstu import HstuConfig, build_hstu
+
+    if not spec.sequence_tables:
+        raise ValueError(
+            "model.name: the hstu model needs sequence data (data.kind=sequence; select it with "
+            "`data=sequence`), but the data has only pooled features"
+        )
+    _model_embedding_dim(options, spec.sequence_tables, "hstu", "sequence")
+    try:
+        config = HstuConfig.from_options(options)
+        return build_hstu(config, spec, device)
+    except (TypeError, ValueError) as exc:
+        raise _model_error(exc, "HstuConfig") from exc

@@ -63,6 +63,7 @@ logger = logging.getLogger("loka_torchrec.probe")
 
 _WRAPPER_PREFIXES = ("_dmp_wrapped_module.", "module.", "_orig_mod.")
 _HISTORY_LIMIT = 1000  # probe steps of amax/kurtosis history kept per layer in summary.json
+_SUMMARY_EVERY = 10  # reports between two rewrites of summary.json without news (see _write)
 _ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 
 
@@ -85,14 +86,14 @@ def canonical_fqn(name: str) -> str:
 
 
 def default_candidates(device: "torch.device | str") -> Dict[GemmRole, List[KernelChoice]]:
-    """Without a consumer: bf16 plus every recipe of every available FP8 backend (not the emulator)."""
+    """Without a consumer: bf16 plus every recipe of every available FP8 backend in ``auto`` (see ``GemmBackend.in_auto``)."""
     device = torch.device(device)
     choices = [BF16]
     for name in backend_names():
         if name in ("bf16", "emulated"):
             continue
         backend = get_backend(name)
-        if backend.availability(device).ok:
+        if backend.in_auto and backend.availability(device).ok:
             choices += [KernelChoice(name, recipe) for recipe in backend.recipes]
     return {role: list(choices) for role in _ROLES}
 
@@ -164,6 +165,8 @@ class ProbeCallback:
         self._log = ProbeLog(run_dir, self.rank)
         self._speed_cache: Optional[SpeedCache] = None
         self._events: List[Dict[str, Any]] = []
+        self._events_in_summary = 0
+        self._reports = 0
         self._probe_steps = 0
         self._last_step: Optional[int] = None
         self.seconds = {"hooks": 0.0, "merge": 0.0, "evaluate": 0.0, "logs": 0.0}
@@ -191,13 +194,14 @@ class ProbeCallback:
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
         self._last_step = step
         records: Dict[str, Dict[str, Any]] = {}
+        planned_before = self.planned
         if self._armed:
             self._disarm()
             records = self._end_probe_step(step)
         if not self.planned and step >= self.config.warmup_steps - 1 and self._probe_steps > 0:
             self._plan(step, records)
         if records:
-            self._write(step, records)
+            self._write(step, records, planned_now=self.planned and not planned_before)
         if self.config.is_probe_step(step + 1):
             self._arm()
 
@@ -534,14 +538,22 @@ class ProbeCallback:
         if layer is not None:
             self._layers[layer].events.append(entry)
 
-    def _write(self, step: int, records: Dict[str, Dict[str, Any]]) -> None:
+    def _write(self, step: int, records: Dict[str, Dict[str, Any]], *, planned_now: bool) -> None:
+        """Append this report to the rank log; rank 0 rewrites ``summary.json`` when it has news.
+
+        The summary (every layer's history, evidence and events) is rewritten at the report that
+        planned, at one with a new safety-valve event, at every ``_SUMMARY_EVERY``-th report and
+        at :meth:`close`: serializing it costs far more than the report itself.
+        """
         t0 = time.perf_counter()
         for name in self._layers:
             if name in records:
-                self._log.write(records[name])
-        self._log.sync()
-        if self.rank == 0:
+                self._log.write(records[name])  # flushed per line: a killed process loses nothing
+        self._reports += 1
+        news = planned_now or len(self._events) != self._events_in_summary or self._reports % _SUMMARY_EVERY == 0
+        if self.rank == 0 and news:
             write_json_atomic(self._log.dir / "summary.json", self._summary())
+            self._events_in_summary = len(self._events)
         self.seconds["logs"] += time.perf_counter() - t0
 
     def _summary(self) -> Dict[str, Any]:

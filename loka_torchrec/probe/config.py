@@ -28,17 +28,19 @@ class ProbeConfig:
         every: cadence (in steps) during the warm-up window.
         warmup_steps: length of the warm-up window; evidence is produced at its end.
         every_after: cadence after the warm-up window (safety-valve checks); 0 turns them off.
+            The default, 500, keeps a monitoring step (tens of milliseconds of host work for a
+            few dozen layers) near 0.1% of a run; lower it to catch distribution shifts sooner.
         samples: K, the number of Gaussian draws per layer, role and candidate. ``None``
-            resolves to 100 on CUDA and 8 on the CPU: a CPU draw of an LRM-sized GEMM (with its
-            float64 reference) costs tens of milliseconds, and the per-draw MERE varies by a few
-            percent, so 8 draws already give a t-interval within a few percent of the mean.
+            resolves to 16 on CUDA and 8 on the CPU: the per-draw MERE of an LRM-sized GEMM
+            varies by a few percent, so 8 to 16 draws give a t-interval within a few percent of
+            the mean, and every draw costs a float64 reference GEMM.
         max_cov_dim: full covariance is kept for at most this many features of a tensor; a
             wider tensor keeps full covariance on a fixed random subset of ``max_cov_dim``
             features plus the variance of every feature (see ``docs/probe.md``). The weight
             model keeps a diagonal factor beyond this size.
         max_rows_per_step: cap on ``M`` (rows) for the speed benchmark and for each Gaussian
             draw. ``None`` resolves to no cap on CUDA and 128 on the CPU.
-        speed_reps: timed repetitions per candidate. ``None`` resolves to 50 on CUDA and 5 on the CPU.
+        speed_reps: timed repetitions per candidate. ``None`` resolves to 20 on CUDA and 5 on the CPU.
         reservoir_rows: real rows (input and output-gradient pairs) kept per layer to measure
             the error on captured data next to the Gaussian model.
         amax_history: number of probe steps whose amax is remembered (delayed-scaling
@@ -70,7 +72,7 @@ class ProbeConfig:
     enabled: bool = False
     every: int = 10
     warmup_steps: int = 200
-    every_after: int = 100
+    every_after: int = 500
     samples: Optional[int] = None
     max_cov_dim: int = 1024
     max_rows_per_step: Optional[int] = None
@@ -132,7 +134,7 @@ class ProbeConfig:
     def resolved_samples(self, device: "torch.device | str") -> int:
         if self.samples is not None:
             return self.samples
-        return 100 if torch.device(device).type == "cuda" else 8
+        return 16 if torch.device(device).type == "cuda" else 8
 
     def resolved_max_rows(self, device: "torch.device | str") -> Optional[int]:
         if self.max_rows_per_step is not None:
@@ -142,7 +144,7 @@ class ProbeConfig:
     def resolved_speed_reps(self, device: "torch.device | str") -> int:
         if self.speed_reps is not None:
             return self.speed_reps
-        return 50 if torch.device(device).type == "cuda" else 5
+        return 20 if torch.device(device).type == "cuda" else 5
 
 
 def _positive_int(name: str, value) -> None:

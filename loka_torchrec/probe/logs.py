@@ -3,7 +3,7 @@
 Layout under ``RUN_DIR/probe/``:
 
 * ``rank{r}.jsonl``: one JSON object per line, one line per layer per report of rank ``r``,
-  appended and flushed line by line (fsynced at the end of every report), so a killed run
+  appended and flushed line by line (fsynced when the Probe closes), so a killed run
   leaves every complete line readable. Fields: ``v`` (format version), ``step``, ``rank``,
   ``world_size``, ``layer``, ``event`` (``"probe"``, ``"plan"``, ``"fallback"``,
   ``"recovering"``, ``"readmit"``), ``phase`` (``"warmup"``/``"monitor"``), ``shape``
@@ -78,7 +78,7 @@ class ProbeLog:
         self._file.flush()
 
     def sync(self) -> None:
-        """Flush and fsync (called once per report)."""
+        """Flush and fsync (called when the log closes)."""
         if not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())

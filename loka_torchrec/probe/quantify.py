@@ -40,7 +40,8 @@ import torch
 
 from loka_torchrec.dispatch.measure import role_operands
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
-from loka_torchrec.fp8 import Fp8Format, mere, sqnr_db
+from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.fp8.error_metrics import mere_tensor, noise_and_signal, sqnr_from_sums
 from loka_torchrec.probe.candidates import CandidateRun, resolve_candidate
 from loka_torchrec.probe.intervals import t_interval
 from loka_torchrec.probe.reservoir import RowReservoir
@@ -225,8 +226,8 @@ def _captured_operands(snap: LayerSnapshot, role: GemmRole, rows: int, samples: 
 def _measure(
     operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype
 ) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
-    meres: Dict[KernelChoice, List[float]] = {r.choice: [] for r in runs}
-    sqnrs: Dict[KernelChoice, List[float]] = {r.choice: [] for r in runs}
+    # Metrics stay on the device until the end: one host synchronization per call, not per draw.
+    pending: Dict[KernelChoice, List[torch.Tensor]] = {r.choice: [] for r in runs}
     failures: Dict[KernelChoice, str] = {}
     for a, b in operands:
         # The candidate sees the operands in the model's dtype, as in training; the reference
@@ -243,8 +244,13 @@ def _measure(
             except Exception as exc:  # a kernel that fails at this shape is an unavailable candidate, with its reason
                 failures[c] = f"{type(exc).__name__}: {exc}"
                 continue
-            meres[c].append(mere(out, ref))
-            sqnrs[c].append(sqnr_db(out, ref))
+            pending[c].append(torch.cat([mere_tensor(out, ref).reshape(1), noise_and_signal(out, ref)]))
+    meres: Dict[KernelChoice, List[float]] = {}
+    sqnrs: Dict[KernelChoice, List[float]] = {}
+    for c, values in pending.items():
+        rows = torch.stack(values).tolist() if values else []
+        meres[c] = [row[0] for row in rows]
+        sqnrs[c] = [sqnr_from_sums(row[1], row[2]) for row in rows]
     return meres, sqnrs, failures
 
 

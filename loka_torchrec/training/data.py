@@ -48,6 +48,8 @@ def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int)
     options = dict(options)
     kind = options.pop("kind", "pooled")
     options.setdefault("seed", seed)
+    if kind in ("pooled", "sequence"):
+        _check_fields(kind, options)
     if kind == "pooled":
         from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
 
@@ -60,3 +62,24 @@ def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int)
 
         return seq.make_rank_data(options, rank=rank, world_size=world_size)
     raise ValueError(f"data.kind: expected 'pooled' or 'sequence', got {kind!r}")
+
+
+def _check_fields(kind: str, options: Dict[str, Any]) -> None:
+    """Unknown ``data.*`` fields for this kind: one error that says how to switch kinds cleanly.
+
+    The two kinds have different fields (``num_tables`` vs ``num_items``, ...), so typing only
+    ``data.kind=sequence`` keeps the pooled recipe's fields; ``data=sequence`` picks the whole
+    ``recipes/data/sequence.yaml`` instead (and ``model=hstu`` does that by itself).
+    """
+    if kind == "pooled":
+        from loka_torchrec.training.synthetic import SyntheticConfig as cls
+    else:
+        from loka_torchrec.training.synthetic_sequences import SyntheticSequenceConfig as cls
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"data: unknown option(s) {unknown} for data.kind={kind!r}; expected some of {sorted(known)}. "
+            f"To switch data kinds select the whole data recipe (`data=pooled` or `data=sequence`) rather "
+            f"than only `data.kind`"
+        )

@@ -5,30 +5,76 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import logging
 import os
+import statistics
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loka_torchrec.baselines import BaselineConfig
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from loka_torchrec.training.distributed import DistContext
 
-__all__ = ["TrainConfig", "Trainer", "ClickTrainModule"]
+__all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_vs_loka", "step_time_stats"]
 
 logger = logging.getLogger("loka_torchrec.train")
+
+AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16}  # train.autocast -> torch.autocast dtype
+
+
+def check_baseline_vs_loka(baseline: BaselineConfig, loka: LokaConfig) -> None:
+    """A baseline library and LoKA both convert the dense layers: refuse the two together."""
+    if baseline.kind != "none" and loka.enabled:
+        raise ValueError(
+            f"baseline.kind={baseline.kind} cannot run with loka.enabled=true: a baseline is another "
+            "library's FP8 training on the plain model; add loka.enabled=false (or baseline.kind=none)"
+        )
+
+
+def step_time_stats(seconds: List[float]) -> Dict[str, float]:
+    """Median, p10, p90 and mean of step times, in milliseconds (NaN without any step).
+
+    Percentiles interpolate linearly between order statistics (``statistics.quantiles``,
+    inclusive method); one step gives the same value for all four.
+    """
+    if not seconds:
+        nan = float("nan")
+        return {"median_step_ms": nan, "p10_step_ms": nan, "p90_step_ms": nan, "mean_step_ms": nan}
+    ms = [1e3 * s for s in seconds]
+    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    return {
+        "median_step_ms": statistics.median(ms),
+        "p10_step_ms": deciles[0],
+        "p90_step_ms": deciles[8],
+        "mean_step_ms": statistics.fmean(ms),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Loop settings (``train.*`` in the recipes)."""
+    """Loop settings (``train.*`` in the recipes).
+
+    Attributes:
+        steps: the last step (the step counter continues on resume).
+        lr, embedding_lr: dense Adagrad and fused row-wise Adagrad learning rates.
+        log_every, eval_every, checkpoint_every: cadences in steps (0: never / at the end).
+        resume: a run dir or checkpoint folder to resume from.
+        progress_bar: tqdm on rank 0.
+        autocast: ``none`` or ``bf16``: run the model's forward (train and eval) under
+            ``torch.autocast(device_type, dtype=torch.bfloat16)``, so that GEMMs left in high
+            precision compute in bf16 (the loss is computed in fp32 outside).
+        timing_start: steps numbered above this one are timed for the summary's step-time
+            statistics; 0 skips the first ``min(5, steps_this_run // 4)`` steps of the run.
+    """
 
     steps: int = 200
     lr: float = 0.05
@@ -38,8 +84,16 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: Optional[str] = None
     progress_bar: bool = True
+    autocast: str = "none"
+    timing_start: int = 0
 
     def __post_init__(self) -> None:
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
+        if self.timing_start < 0 or self.timing_start >= self.steps:
+            raise ValueError(
+                f"train.timing_start: must be >= 0 and < train.steps={self.steps}, got {self.timing_start}"
+            )
         for name in ("steps", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
@@ -53,16 +107,42 @@ class TrainConfig:
 
 
 class ClickTrainModule(nn.Module):
-    """``batch -> (loss, (loss, logits, labels))``: the contract of TorchRec's train pipelines."""
+    """``batch -> (loss, (loss, logits, labels))``: the contract of TorchRec's train pipelines.
 
-    def __init__(self, model: nn.Module) -> None:
+    Args:
+        model: ``(dense_features, sparse_features) -> logits``.
+        autocast_dtype: run ``model`` under ``torch.autocast(device_type)`` with this dtype
+            (``None``: off); the loss is computed in fp32 outside it.
+        device_type: ``"cuda"`` or ``"cpu"``, the model's (a plain string: TorchRec's pipeline
+            traces this forward with ``torch.fx``, where tensor attributes are proxies).
+        forward_context: a factory of one more context ``model`` runs in, a fresh one per call
+            (a baseline's, e.g. Transformer Engine's FP8 autocast).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        autocast_dtype: Optional[torch.dtype] = None,
+        forward_context: Optional[Callable[[], ContextManager]] = None,
+        device_type: str = "cpu",
+    ) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = nn.BCEWithLogitsLoss()
+        self.autocast_dtype = autocast_dtype
+        self.forward_context = forward_context
+        self.device_type = device_type
 
     def forward(self, batch):
-        logits = self.model(batch.dense_features, batch.sparse_features)
-        loss = self.loss_fn(logits, batch.labels)
+        dense = batch.dense_features
+        with contextlib.ExitStack() as stack:
+            if self.autocast_dtype is not None:
+                stack.enter_context(torch.autocast(self.device_type, dtype=self.autocast_dtype))
+            if self.forward_context is not None:
+                stack.enter_context(self.forward_context())
+            logits = self.model(dense, batch.sparse_features)
+        loss = self.loss_fn(logits.float(), batch.labels.float())
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())
 
 
@@ -77,6 +157,8 @@ class Trainer:
         loka_config: LoKA settings; ``enabled=False`` trains the plain model.
         run_dir: the run's output folder (same on every rank).
         batch_size: per-rank batch size (for QPS and the planner).
+        baseline_config: another library's FP8 training on the dense layers
+            (:mod:`loka_torchrec.baselines`); only with ``loka_config.enabled=False``.
     """
 
     def __init__(
@@ -90,6 +172,7 @@ class Trainer:
         loka_config: LokaConfig,
         run_dir: str,
         batch_size: int,
+        baseline_config: Optional[BaselineConfig] = None,
     ) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -103,6 +186,8 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.rank_dir = os.path.join(run_dir, f"rank{ctx.rank}")
         os.makedirs(self.rank_dir, exist_ok=True)
+        baseline_config = baseline_config or BaselineConfig()
+        check_baseline_vs_loka(baseline_config, loka_config)
         # 1. LoKA converts the unsharded model (mods, LokaLinear, dispatcher) before DMP wraps it.
         self.loka = None
         if loka_config.enabled:
@@ -111,10 +196,23 @@ class Trainer:
             self.loka = loka_torchrec.apply(model, loka_config, run_dir=run_dir)
             if ctx.is_main:
                 logger.info("%s", self.loka)
+        # 1b. Or a baseline: another library's FP8 on the dense layers, same place in the set-up.
+        self.baseline = None
+        if baseline_config.kind != "none":
+            from loka_torchrec.baselines import apply_baseline
+
+            self.baseline = apply_baseline(model, baseline_config)
+            if ctx.is_main:
+                logger.info("%s", self.baseline)
         # 2. Sharders: FP8 embedding comms come with LoKA's comms registry when configured.
         sharders = self._sharders(default_sharders)
         # 3. Shard with TorchRec's planner and DMP; fused row-wise Adagrad for embeddings.
-        self.module = ClickTrainModule(model)
+        self.module = ClickTrainModule(
+            model,
+            autocast_dtype=AUTOCAST_DTYPES[train_config.autocast],
+            forward_context=None if self.baseline is None else self.baseline.forward_context,
+            device_type=ctx.device.type,
+        )
         self.model, self.sharding_plan = shard_model(
             self.module,
             device=ctx.device,
@@ -164,6 +262,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> Dict[str, Any]:
+        """Train to ``train.steps``, evaluate, and return (rank 0: also write) the summary.
+
+        Step times: each step is timed from its start to its end, after a
+        ``torch.cuda.synchronize`` on CUDA (so a step's time includes its GPU work, not only the
+        host's launch time; the label check of the metrics syncs every step anyway). The summary
+        gives median, p10, p90 and mean over the timed window (``train.timing_start``), rank 0's.
+        """
         cfg = self.cfg
         batches = iter(self.train_data(self.start_step))
         bar = None
@@ -172,8 +277,12 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
         step_times = []
+        timed_steps: List[int] = []
         step = self.start_step
+        cuda = self.ctx.device.type == "cuda"
         self.model.train()
+        if cuda:
+            torch.cuda.synchronize(self.ctx.device)
         wall0 = time.perf_counter()
         while step < cfg.steps:
             t0 = time.perf_counter()
@@ -188,7 +297,10 @@ class Trainer:
             if self.probe is not None:
                 self.probe.on_step_end(step)
             self._show_plan_if_new(bar)
+            if cuda:
+                torch.cuda.synchronize(self.ctx.device)
             step_times.append(time.perf_counter() - t0)
+            timed_steps.append(step)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
                 record["step_time_ms"] = 1e3 * sorted(step_times[-cfg.log_every:])[len(step_times[-cfg.log_every:]) // 2]
@@ -210,8 +322,13 @@ class Trainer:
         if self.probe is not None:
             self.probe.close()
         steps_run = step - self.start_step
-        timed = step_times[min(5, len(step_times) // 4):] or step_times  # skip warm-up steps
-        median_step = sorted(timed)[len(timed) // 2] if timed else float("nan")
+        if cfg.timing_start:
+            window = [i for i, n in enumerate(timed_steps) if n > cfg.timing_start]
+        else:  # skip warm-up steps
+            window = list(range(min(5, len(step_times) // 4), len(step_times)))
+        timed = [step_times[i] for i in window]
+        stats = step_time_stats(timed)
+        global_batch = self.batch_size * self.ctx.world_size
         last_train = next((r for r in reversed(self.history) if "train/ne" in r), {})
         summary = {
             "steps": step,
@@ -219,9 +336,14 @@ class Trainer:
             "resumed_from": self.start_step,
             "world_size": self.ctx.world_size,
             "device": str(self.ctx.device),
-            "median_step_ms": 1e3 * median_step,
-            "qps": self.batch_size * self.ctx.world_size / median_step if timed else float("nan"),
+            **stats,
+            "timed_steps": len(timed),
+            "timed_window": [timed_steps[window[0]], timed_steps[window[-1]]] if window else None,
+            "qps": 1e3 * global_batch / stats["median_step_ms"] if timed else float("nan"),
+            "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
             "train_seconds": train_seconds,
+            "peak_memory_gb": self._peak_memory_gb(),
+            "autocast": cfg.autocast,
             "train_ne": last_train.get("train/ne"),
             "train_auc": last_train.get("train/auc"),
             "eval_ne": final_eval.get("ne"),
@@ -229,6 +351,7 @@ class Trainer:
             "eval_loss": final_eval.get("loss"),
             "run_dir": self.run_dir,
             "loka": self._loka_summary(),
+            "baseline": None if self.baseline is None else self.baseline.summary(),
         }
         if self.ctx.is_main:
             _write_json(os.path.join(self.run_dir, "summary.json"), summary)
@@ -304,6 +427,16 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
             f.flush()
         logger.info("%s", " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+    def _peak_memory_gb(self) -> Optional[float]:
+        """Peak GPU memory allocated by PyTorch (``torch.cuda.max_memory_allocated``), in GiB,
+        the largest over ranks; ``None`` off CUDA. A collective: every rank calls it."""
+        if self.ctx.device.type != "cuda":
+            return None
+        peak = torch.tensor([float(torch.cuda.max_memory_allocated(self.ctx.device))], device=self.ctx.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak.item()) / 2**30
 
     def _loka_summary(self) -> Optional[Dict[str, Any]]:
         if self.loka is None:

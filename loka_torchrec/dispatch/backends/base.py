@@ -45,12 +45,15 @@ class GemmBackend(abc.ABC):
         recipes: recipe names it implements (see :mod:`loka_torchrec.dispatch.recipes`).
         devices: device types it can run on (``"cpu"``, ``"cuda"``).
         fused_quantize: whether its quantization is a single fused kernel.
+        in_auto: whether ``candidates: [auto]`` includes it (a backend that is never the fastest
+            can opt out; it stays selectable by name).
     """
 
     name: ClassVar[str]
     recipes: ClassVar[Tuple[str, ...]]
     devices: ClassVar[Tuple[str, ...]]
     fused_quantize: ClassVar[bool] = False
+    in_auto: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._availability: Dict[str, Availability] = {}

@@ -29,6 +29,11 @@ class HighPrecisionBackend(GemmBackend):
         return t.to(high_precision_dtype(t))
 
     def mm(self, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe = None, out_dtype: torch.dtype = None) -> torch.Tensor:
+        if b.dtype != a.dtype:
+            # ``a`` is the activation or gradient, ``b`` the weight (forward, grad-input) or the
+            # activation (grad-weight): under torch.autocast a LokaLinear gets bf16 activations next
+            # to an fp32 master weight, and on the CPU the GEMM then runs in the activation's dtype.
+            b = b.to(a.dtype)
         out = a @ b.t()
         return out if out_dtype is None else out.to(out_dtype)
 

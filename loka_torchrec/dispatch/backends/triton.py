@@ -33,6 +33,9 @@ class TritonBackend(GemmBackend):
     recipes = ("tensorwise", "rowwise")
     devices = ("cuda",)
     fused_quantize = True
+    # Its GEMM is slower than cuBLAS (scaled_mm) at every LRM shape measured on an H100
+    # (benchmarks/results/H100/): evaluating it only costs the Probe compile and timing time.
+    in_auto = False
 
     def _probe(self, device: torch.device) -> Availability:
         if not torch.cuda.is_available():

@@ -1,0 +1,590 @@
+"""End-to-end comparison: LoKA against bf16 and other libraries' FP8 training, on the real job.
+
+For each recipe (``--recipes``, default the GPU-sized ``dlrm_large,dhen_large,hstu_large``), run
+(``--runs``) and seed (``--seeds``), launches the training job
+
+    torchrun --standalone --nproc_per_node=N -m loka_torchrec.train model=<recipe> device=<device>
+        <the run's overrides> seed=<s> train.steps=<n> train.timing_start=<w> train.autocast=bf16 ...
+
+with ``LOKA_RUN_DIR`` set to its own folder, one at a time, under a per-run timeout and an
+overall deadline; a failing run is recorded (exit status, the last error line, the log's tail)
+and the next one starts. From each run's ``summary.json`` it collects the step time over the
+timed window (steps ``w+1..n``: median, p10, p90; CUDA-synchronized per step), QPS, peak GPU
+memory, final eval NE and AUC, and the Dispatch plan (GEMMs in FP8 by backend) or the baseline's
+conversion report, and writes
+
+    <out>/<date>-<name>.json   everything, per run and aggregated per recipe x run
+    <out>/<date>-<name>.md     the tables, skipped/failed runs with reasons, exact commands
+    <out>/<date>-<name>.png    step time (median, p10-p90) and NE vs bf16 per run (matplotlib)
+
+NE vs bf16 is relative, in %: ``100 * (NE_run - NE_bf16) / NE_bf16`` for the same seed (same
+data and initialization), then mean, min and max over seeds; next to it each run's own
+seed-to-seed NE spread (sample std over seeds, % of the mean), to tell a difference from noise.
+
+Runs (``--runs``):
+
+* ``bf16``: LoKA's model (Mods on) with every GEMM in bf16 (``loka.dispatch.mode=all-bf16``);
+* ``bf16_nomods``: the plain model (``loka.enabled=false``);
+* ``torchao_tensorwise``, ``torchao_rowwise``, ``torchao_rowwise_with_gw_hp``: torchao's
+  ``convert_to_float8_training`` on the dense linears (``baseline.kind=torchao``; eager, no
+  ``torch.compile``); ``--torchao-auto-filter`` adds torchao's size filter (not for gw_hp);
+* ``te``: Transformer Engine ``Linear`` + FP8 autocast, ``DelayedScaling`` (TE's default on
+  H100); ``te_tensorwise``: the same with ``Float8CurrentScaling`` (not in the default list);
+* ``loka``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward.
+
+Every run gets ``train.autocast=<--autocast>`` (default bf16: GEMMs left in high precision and
+the other dense ops run in bf16 under ``torch.autocast``). A run whose library is not installed,
+or ``te`` on ``--device cpu``, is skipped with the reason, without launching it.
+
+Usage (one H100)::
+
+    python benchmarks/e2e_compare.py --out benchmarks/results/H100 --nproc 1 --seeds 0,1
+
+CPU smoke run (tiny model; what ``tests/test_e2e_compare.py`` runs)::
+
+    python benchmarks/e2e_compare.py --device cpu --recipes dlrm --runs bf16,bf16_nomods,loka \\
+        --nproc 2 --steps 8 --window-start 4 --probe-warmup 3 --out /tmp/e2e \\
+        --override loka.probe.every=1 --override loka.dispatch.min_speedup=0
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_RECIPES = ("dlrm_large", "dhen_large", "hstu_large")
+REFERENCE = "bf16"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One configuration to compare.
+
+    Attributes:
+        name: the run's name (``--runs``).
+        overrides: Hydra overrides of the training job.
+        library: the Python module the run needs (``None``: only this project).
+        pip: how to install ``library``.
+        cuda_only: the run cannot work on ``--device cpu``.
+    """
+
+    name: str
+    overrides: Tuple[str, ...]
+    library: Optional[str] = None
+    pip: Optional[str] = None
+    cuda_only: bool = False
+
+
+def _torchao(recipe: str) -> RunSpec:
+    return RunSpec(
+        f"torchao_{recipe}",
+        ("loka.enabled=false", "baseline.kind=torchao", f"baseline.recipe={recipe}"),
+        library="torchao",
+        pip="pip install torchao",
+    )
+
+
+def _te(name: str, recipe: str) -> RunSpec:
+    return RunSpec(
+        name,
+        ("loka.enabled=false", "baseline.kind=te", f"baseline.recipe={recipe}"),
+        library="transformer_engine",
+        pip="pip install transformer-engine[pytorch]",
+        cuda_only=True,
+    )
+
+
+RUNS: Dict[str, RunSpec] = {
+    spec.name: spec
+    for spec in (
+        RunSpec("bf16", ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all")),
+        RunSpec("bf16_nomods", ("loka.enabled=false",)),
+        _torchao("tensorwise"),
+        _torchao("rowwise"),
+        _torchao("rowwise_with_gw_hp"),
+        _te("te", "delayed"),
+        _te("te_tensorwise", "tensorwise"),
+        RunSpec(
+            "loka",
+            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8"),
+        ),
+    )
+}
+DEFAULT_RUNS = ("bf16", "bf16_nomods", "torchao_tensorwise", "torchao_rowwise", "torchao_rowwise_with_gw_hp", "te", "loka")
+
+
+# --------------------------------------------------------------------------------------- arguments
+def _names(text: str) -> List[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help="model recipes (recipes/model/*.yaml), comma-separated")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (NE differences are paired by seed)")
+    p.add_argument("--steps", type=int, default=500, help="training steps per run")
+    p.add_argument(
+        "--window-start",
+        type=int,
+        default=None,
+        help="steps after this one are timed (default: the larger of steps/2 and the probe warm-up + 20 with loka)",
+    )
+    p.add_argument("--probe-warmup", type=int, default=200, help="loka.probe.warmup_steps of the loka run (steps)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --nproc_per_node)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--autocast", default="bf16", choices=("bf16", "none"), help="train.autocast of every run")
+    p.add_argument("--torchao-auto-filter", action="store_true", help="torchao's own size filter (tensorwise, rowwise runs)")
+    p.add_argument("--override", action="append", default=[], help="an extra Hydra override for every run (repeatable)")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--max-seconds", type=float, default=5400.0, help="overall deadline in seconds; later runs are not started")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for <date>-<name>.json/.md/.png")
+    p.add_argument("--runs-dir", default=None, help="folder for the runs' own outputs (default: <out>/<date>-<name>-runs)")
+    p.add_argument("--name", default="e2e")
+    args = p.parse_args(argv)
+    args.recipes = _names(args.recipes)
+    args.runs = _names(args.runs)
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown:
+        p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
+    try:
+        args.seeds = [int(s) for s in _names(args.seeds)]
+    except ValueError:
+        p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not args.recipes or not args.runs or not args.seeds:
+        p.error("--recipes, --runs and --seeds each need at least one value")
+    if args.steps < 2:
+        p.error(f"--steps: must be >= 2, got {args.steps}")
+    if args.nproc < 1:
+        p.error(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.window_start is None:
+        args.window_start = args.steps // 2
+        if "loka" in args.runs:
+            args.window_start = max(args.window_start, args.probe_warmup + 20)
+    if not 0 < args.window_start < args.steps:
+        p.error(f"--window-start: must be in [1, --steps={args.steps}), got {args.window_start}")
+    if "loka" in args.runs and args.window_start <= args.probe_warmup:
+        p.error(
+            f"--window-start={args.window_start} must be after --probe-warmup={args.probe_warmup}: "
+            "the loka run plans at the end of the probe's warm-up"
+        )
+    return args
+
+
+# --------------------------------------------------------------------------------------- one run
+def _torchrun() -> List[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int) -> List[str]:
+    """The Hydra overrides of one run, in order (later ones win)."""
+    overrides = [f"model={recipe}", f"device={args.device}", *spec.overrides]
+    if spec.name == "loka":
+        overrides.append(f"loka.probe.warmup_steps={args.probe_warmup}")
+    if args.torchao_auto_filter and spec.name in ("torchao_tensorwise", "torchao_rowwise"):
+        overrides.append("baseline.auto_filter=true")
+    overrides += [
+        f"seed={seed}",
+        f"train.steps={args.steps}",
+        f"train.timing_start={args.window_start}",
+        f"train.autocast={args.autocast}",
+        "train.progress_bar=false",
+        *args.override,
+    ]
+    return overrides
+
+
+def preflight(args: argparse.Namespace, spec: RunSpec) -> Optional[str]:
+    """Why ``spec`` cannot run here (it is then skipped, not launched), or ``None``."""
+    if spec.cuda_only and args.device != "cuda":
+        return f"{spec.library} runs on CUDA only (--device {args.device})"
+    if spec.library is not None and importlib.util.find_spec(spec.library) is None:
+        return f"{spec.library} is not installed: {spec.pip}"
+    return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop the run's process group (torchrun and its ranks), politely first."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_.]*(Error|Exception)|torch\.distributed\.\S+Error)\b.*")
+
+
+def error_reason(log: str) -> Optional[str]:
+    """The most telling line of a failed run's log: the last ``SomethingError: ...`` line that is
+    not torchrun's own ``ChildFailedError`` report."""
+    lines = [ln.strip() for ln in log.splitlines() if _ERROR_LINE.match(ln) and "ChildFailedError" not in ln]
+    return lines[-1][:500] if lines else None
+
+
+def launch(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int, run_dir: str, timeout: float) -> Dict[str, Any]:
+    """Run one training job; returns its record (status, reason, command, metrics)."""
+    if os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)  # a stale summary.json must never be read as this run's
+    os.makedirs(run_dir)
+    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={args.nproc}", "-m", "loka_torchrec.train"]
+    cmd += run_overrides(args, recipe, spec, seed)
+    env = dict(os.environ, LOKA_RUN_DIR=run_dir, PYTHONWARNINGS="ignore")
+    record: Dict[str, Any] = {
+        "recipe": recipe,
+        "run": spec.name,
+        "seed": seed,
+        "command": f"LOKA_RUN_DIR={shlex.quote(run_dir)} {shlex.join(cmd)}",
+        "run_dir": run_dir,
+    }
+    log_path = os.path.join(run_dir, "launch.log")
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log_path, "w") as log:
+        # cwd: the run's folder, so that `-m loka_torchrec.train` is the installed project (or the
+        # one on PYTHONPATH), never the source folder, which lacks loka_torchrec.recipes/.kernels.
+        proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+    record["seconds"] = time.perf_counter() - t0
+    record["returncode"] = rc
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    summary_path = os.path.join(run_dir, "summary.json")
+    if rc == 0 and not timed_out and os.path.isfile(summary_path):
+        with open(summary_path) as f:
+            record.update(status="ok", reason=None, **metrics_from_summary(json.load(f)))
+    else:
+        status = "timeout" if timed_out else "failed"
+        reason = f"timed out after {timeout:.0f} s" if timed_out else error_reason(text) or f"exit status {rc}"
+        record.update(status=status, reason=reason, log_tail=text[-3000:])
+    return record
+
+
+def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
+    """What the comparison keeps of a run's ``summary.json``."""
+    out = {
+        k: s.get(k)
+        for k in (
+            "median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "timed_steps", "timed_window",
+            "qps", "peak_memory_gb", "eval_ne", "eval_auc", "train_ne", "teacher_eval_ne", "world_size", "autocast",
+        )
+    }
+    loka = s.get("loka")
+    if loka:
+        kernels = dict(loka.get("kernels") or {})
+        by_backend: Dict[str, int] = {}
+        for choice, n in kernels.items():
+            backend = choice.split(":", 1)[0]
+            by_backend[backend] = by_backend.get(backend, 0) + int(n)
+        out["dispatch"] = {
+            "summary": loka.get("plan"),
+            "fp8_gemms": loka.get("fp8_gemms"),
+            "gemms": sum(kernels.values()),
+            "fp8_by_backend": {b: n for b, n in sorted(by_backend.items()) if b != "bf16"},
+            "kernels": kernels,
+            "converted_layers": loka.get("converted_layers"),
+            "fallen_back": sorted(loka.get("fallen_back") or {}),
+            "plan_file": loka.get("plan_file"),
+        }
+    if s.get("baseline"):
+        out["baseline"] = s["baseline"]
+    return out
+
+
+# --------------------------------------------------------------------------------------- aggregation
+def _mean(values: List[float]) -> Optional[float]:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.fmean(values) if values else None
+
+
+def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]) -> List[Dict[str, Any]]:
+    """One row per recipe x run: means over the seeds that ran, NE vs bf16 paired by seed."""
+    rows = []
+    for recipe in recipes:
+        ref = {r["seed"]: r for r in records if r["recipe"] == recipe and r["run"] == REFERENCE and r["status"] == "ok"}
+        for run in runs:
+            mine = [r for r in records if r["recipe"] == recipe and r["run"] == run]
+            ok = [r for r in mine if r["status"] == "ok"]
+            row: Dict[str, Any] = {
+                "recipe": recipe,
+                "run": run,
+                "seeds_ok": [r["seed"] for r in ok],
+                "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
+                "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
+            }
+            for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
+                row[key] = _mean([r.get(key) for r in ok])
+            mem = [r["peak_memory_gb"] for r in ok if r.get("peak_memory_gb") is not None]
+            row["peak_memory_gb"] = max(mem) if mem else None
+            nes = [r["eval_ne"] for r in ok if r.get("eval_ne") is not None]
+            row["ne_seed_spread_pct"] = 100 * statistics.stdev(nes) / statistics.fmean(nes) if len(nes) > 1 else None
+            diffs = [
+                100 * (r["eval_ne"] - ref[r["seed"]]["eval_ne"]) / ref[r["seed"]]["eval_ne"]
+                for r in ok
+                if r["seed"] in ref and r.get("eval_ne") is not None and ref[r["seed"]].get("eval_ne")
+            ]
+            row["ne_vs_bf16_pct"] = _mean(diffs)
+            row["ne_vs_bf16_pct_range"] = [min(diffs), max(diffs)] if diffs else None
+            ref_ms = _mean([ref[s].get("median_step_ms") for s in row["seeds_ok"] if s in ref])
+            row["speedup_vs_bf16"] = ref_ms / row["median_step_ms"] if ref_ms and row["median_step_ms"] else None
+            dispatch = [r["dispatch"] for r in ok if r.get("dispatch")]
+            if dispatch:
+                row["dispatch"] = dispatch[0]["summary"]
+                row["fp8_by_backend"] = dispatch[0]["fp8_by_backend"]
+                if len({d["summary"] for d in dispatch}) > 1:
+                    row["dispatch_per_seed"] = {r["seed"]: r["dispatch"]["summary"] for r in ok}
+            baseline = [r["baseline"] for r in ok if r.get("baseline")]
+            if baseline:
+                b = baseline[0]
+                row["baseline"] = (
+                    f"{b['kind']}:{b['recipe']}: {b['converted_layers']} layers in FP8, "
+                    f"{b['skipped_layers']} in high precision"
+                )
+            rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------- reports
+def _fmt(v: Any, spec: str = ".1f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
+
+
+def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[Dict[str, Any]]) -> str:
+    a = meta["settings"]
+    lines = [
+        f"# End-to-end comparison, {meta['date']}",
+        "",
+        f"- device: {meta['device']} ({a['nproc']} rank(s) per run, `--device {a['device']}`)",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}",
+        f"- driver: `{meta['command']}`",
+        f"- each run: {a['steps']} steps, step time over steps {a['window_start'] + 1}..{a['steps']} "
+        f"(median and p10/p90 of per-step times, CUDA-synchronized each step; rank 0), "
+        f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}",
+        "- NE vs bf16: relative difference of the final eval NE to the `bf16` run of the same seed, "
+        "mean over seeds [min, max]; NE spread: the run's own seed-to-seed std, % of its mean NE",
+        "- torchao runs eagerly (no `torch.compile`, which torchao recommends for speed)",
+        f"- total: {meta['seconds']:.0f} s",
+        "",
+    ]
+    for recipe in a["recipes"]:
+        lines += [
+            f"## {recipe}",
+            "",
+            "| run | status | step ms median [p10, p90] | speed-up vs bf16 | QPS | peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in rows if r["recipe"] == recipe):
+            rng = r["ne_vs_bf16_pct_range"]
+            ne_diff = f"{_fmt(r['ne_vs_bf16_pct'], '+.2f')}" + (f" [{rng[0]:+.2f}, {rng[1]:+.2f}]" if rng and len(r["seeds_ok"]) > 1 else "")
+            if r.get("dispatch"):
+                fp8 = r["dispatch"]
+            elif r.get("baseline"):
+                fp8 = r["baseline"]
+            else:
+                fp8 = "-"
+            lines.append(
+                f"| {r['run']} | {r['status']} | {_fmt(r['median_step_ms'], '.2f')} "
+                f"[{_fmt(r['p10_step_ms'], '.2f')}, {_fmt(r['p90_step_ms'], '.2f')}] "
+                f"| {_fmt(r['speedup_vs_bf16'], '.3f')}{'x' if r['speedup_vs_bf16'] else ''} | {_fmt(r['qps'], '.0f')} | {_fmt(r['peak_memory_gb'], '.2f')} "
+                f"| {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} | {ne_diff} "
+                f"| {_fmt(r['ne_seed_spread_pct'], '.3f')} | {fp8} |"
+            )
+        lines.append("")
+    not_ok = [r for r in records if r["status"] != "ok"]
+    if not_ok:
+        lines += ["## Runs that did not complete", "", "| recipe | run | seed | status | reason |", "|---|---|---|---|---|"]
+        for r in not_ok:
+            reason = str(r.get("reason") or "").replace("|", "\\|")
+            lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {r['status']} | {reason} |")
+        lines.append("")
+    lines += ["## Commands", "", "```"]
+    lines += [r["command"] for r in records if r.get("command")]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: List[Dict[str, Any]], recipes: List[str]) -> Optional[str]:
+    """Step time (median, p10-p90 bars) and NE vs bf16 per run and recipe; returns why not, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"matplotlib is not installed ({exc}): pip install matplotlib"
+    fig, axes = plt.subplots(2, len(recipes), figsize=(4.5 * len(recipes) + 1, 7), squeeze=False)
+    for col, recipe in enumerate(recipes):
+        mine = [r for r in rows if r["recipe"] == recipe]
+        names = [r["run"] for r in mine]
+        x = list(range(len(mine)))
+        med = [r["median_step_ms"] if r["median_step_ms"] is not None else 0.0 for r in mine]
+        lo = [max(0.0, m - (r["p10_step_ms"] or m)) for m, r in zip(med, mine)]
+        hi = [max(0.0, (r["p90_step_ms"] or m) - m) for m, r in zip(med, mine)]
+        ax = axes[0][col]
+        ax.bar(x, med, yerr=[lo, hi], capsize=3, color=["C0" if r["median_step_ms"] is not None else "lightgray" for r in mine])
+        ax.set_title(recipe)
+        ax.set_ylabel("step time, ms (median, p10-p90)")
+        ax.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
+        ax = axes[1][col]
+        ne = [r["ne_vs_bf16_pct"] if r["ne_vs_bf16_pct"] is not None else 0.0 for r in mine]
+        err_lo = [max(0.0, n - r["ne_vs_bf16_pct_range"][0]) if r["ne_vs_bf16_pct_range"] else 0.0 for n, r in zip(ne, mine)]
+        err_hi = [max(0.0, r["ne_vs_bf16_pct_range"][1] - n) if r["ne_vs_bf16_pct_range"] else 0.0 for n, r in zip(ne, mine)]
+        ax.bar(x, ne, yerr=[err_lo, err_hi], capsize=3, color="C1")
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_ylabel("eval NE vs bf16, % (seed min-max)")
+        ax.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.get_device_name(0)
+            return "cuda requested, but torch sees no CUDA device"
+        except Exception as exc:  # the report still gets written
+            return f"unknown ({type(exc).__name__}: {exc})"
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _versions() -> Dict[str, Optional[str]]:
+    """Installed versions (package metadata; nothing heavy is imported)."""
+    versions: Dict[str, Optional[str]] = {"python": platform.python_version()}
+    for label, dists in (
+        ("torch", ("torch",)),
+        ("torchrec", ("torchrec",)),
+        ("fbgemm_gpu", ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm_gpu")),
+        ("torchao", ("torchao",)),
+        ("transformer_engine", ("transformer-engine", "transformer_engine", "transformer-engine-cu12", "transformer_engine_torch")),
+        ("loka_torchrec", ("loka-torchrec",)),
+    ):
+        versions[label] = None
+        for dist in dists:
+            try:
+                versions[label] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if commit.returncode == 0:
+            versions["git"] = commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return versions
+
+
+def _write(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    deadline = start + args.max_seconds
+    today = datetime.date.today().isoformat()
+    base = os.path.join(args.out, f"{today}-{args.name}")
+    runs_dir = os.path.abspath(args.runs_dir or f"{base}-runs")
+    argv_list = list(argv) if argv is not None else sys.argv[1:]
+    meta: Dict[str, Any] = {
+        "date": today,
+        "device": _device_name(args.device),
+        "command": shlex.join([os.path.relpath(os.path.abspath(__file__), ROOT), *argv_list]),
+        "versions": _versions(),
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "recipes", "runs", "seeds", "steps", "window_start", "probe_warmup", "nproc", "device", "autocast",
+                "torchao_auto_filter", "override", "run_timeout", "max_seconds",
+            )
+        },
+        "runs_dir": runs_dir,
+        "run_overrides": {name: list(RUNS[name].overrides) for name in args.runs},
+    }
+    records: List[Dict[str, Any]] = []
+
+    def write_reports() -> None:
+        meta["seconds"] = time.perf_counter() - start
+        rows = aggregate(records, args.recipes, args.runs)
+        result = dict(meta, table=rows, runs=records)
+        problem = plot(base + ".png", rows, args.recipes) if records else "no runs"
+        result["plot"] = None if problem else base + ".png"
+        if problem:
+            result["plot_skipped"] = problem
+        _write(base + ".json", json.dumps(result, indent=1, default=str))
+        _write(base + ".md", to_markdown(meta, rows, records))
+
+    for seed in args.seeds:  # every recipe and run of the first seed before the second
+        for recipe in args.recipes:
+            for name in args.runs:
+                spec = RUNS[name]
+                run_dir = os.path.join(runs_dir, recipe, name, f"seed{seed}")
+                base_record = {"recipe": recipe, "run": name, "seed": seed, "run_dir": run_dir}
+                reason = preflight(args, spec)
+                left = deadline - time.perf_counter()
+                if reason is not None:
+                    record = dict(base_record, status="skipped", reason=reason)
+                elif left < 30:
+                    record = dict(base_record, status="not_run", reason=f"overall deadline (--max-seconds={args.max_seconds:.0f}) reached")
+                else:
+                    print(f"[e2e] {recipe} / {name} / seed {seed} ...", flush=True)
+                    record = launch(args, recipe, spec, seed, run_dir, timeout=min(args.run_timeout, left))
+                print(
+                    f"[e2e] {recipe} / {name} / seed {seed}: {record['status']}"
+                    + (f" ({record['reason']})" if record.get("reason") else "")
+                    + (
+                        f", {_fmt(record.get('median_step_ms'), '.2f')} ms/step, eval NE {_fmt(record.get('eval_ne'), '.5f')}"
+                        if record["status"] == "ok"
+                        else ""
+                    ),
+                    flush=True,
+                )
+                records.append(record)
+                write_reports()  # after every run: a killed driver still leaves its results
+    print(f"[e2e] wrote {base}.json, {base}.md, {base}.png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The end-to-end comparison (benchmarks/e2e_compare.py): bf16, torchao, Transformer Engine and
+# LoKA on the GPU-sized recipes, one training job per recipe x run x seed. Arguments go to the
+# driver (see its --help), e.g. on one H100:
+#
+#     scripts/e2e_compare.sh --nproc 1 --seeds 0,1 --max-seconds 3000
+#
+# Writes <date>-e2e.json/.md/.png to $OUT (default benchmarks/results). Where the project is not
+# installed (e.g. a GPU image with only torch/torchrec), it is put on PYTHONPATH as installed:
+# kernels/ and recipes/ become loka_torchrec subpackages, as pyproject.toml maps them.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+if ! $PY -P -c "import loka_torchrec.recipes, loka_torchrec.kernels" 2>/dev/null; then
+  SITE=$(mktemp -d /tmp/loka-e2e-site.XXXXXX)
+  cp -r loka_torchrec "$SITE/"
+  cp -r kernels "$SITE/loka_torchrec/kernels"
+  cp -r recipes "$SITE/loka_torchrec/recipes"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  echo "e2e_compare.sh: using the project from $SITE" >&2
+fi
+exec $PY -P benchmarks/e2e_compare.py --out "${OUT:-$ROOT/benchmarks/results}" "$@"

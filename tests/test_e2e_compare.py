@@ -1,0 +1,115 @@
+"""``benchmarks/e2e_compare.py``: the end-to-end comparison driver (a CPU smoke run and its parts)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(ROOT, "benchmarks", "e2e_compare.py")
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("e2e_compare", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_overrides_and_window():
+    e2e = _driver()
+    args = e2e.parse_args(["--runs", "bf16,loka,torchao_rowwise", "--steps", "500", "--torchao-auto-filter", "--override", "data.batch_size=64"])
+    assert args.window_start == 250 and args.seeds == [0, 1]
+    loka = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka"], 1)
+    assert loka[:2] == ["model=hstu_large", "device=cuda"]
+    for item in ("loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8", "loka.probe.warmup_steps=200",
+                 "seed=1", "train.steps=500", "train.timing_start=250", "train.autocast=bf16"):
+        assert item in loka
+    assert loka[-1] == "data.batch_size=64"  # the user's overrides win
+    assert "baseline.auto_filter=true" in e2e.run_overrides(args, "dlrm_large", e2e.RUNS["torchao_rowwise"], 0)
+    bf16 = e2e.run_overrides(args, "dlrm_large", e2e.RUNS["bf16"], 0)
+    assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all" in bf16
+    # the window must start after the probe's warm-up, where the loka run plans
+    assert e2e.parse_args(["--runs", "loka", "--steps", "300"]).window_start == 220
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--runs", "loka", "--steps", "300", "--window-start", "100"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--runs", "bf16,nosuchrun"])
+
+
+def test_error_reason_picks_the_job_error_not_torchrun_report():
+    e2e = _driver()
+    log = (
+        "Traceback (most recent call last):\n  File x\n"
+        "ImportError: baseline.kind=torchao needs torchao (its float8 training): pip install torchao\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
+    assert e2e.error_reason(log).startswith("ImportError: baseline.kind=torchao needs torchao")
+    assert e2e.error_reason("nothing useful") is None
+
+
+def test_aggregate_pairs_ne_by_seed():
+    e2e = _driver()
+
+    def rec(run, seed, ne, ms, status="ok"):
+        return {"recipe": "r", "run": run, "seed": seed, "status": status, "eval_ne": ne, "median_step_ms": ms,
+                "p10_step_ms": ms - 1, "p90_step_ms": ms + 1, "qps": 1000 / ms, "eval_auc": 0.7, "peak_memory_gb": None}
+
+    records = [rec("bf16", 0, 0.80, 10.0), rec("bf16", 1, 0.82, 12.0), rec("loka", 0, 0.808, 8.0), rec("loka", 1, 0.82, 8.0),
+               {"recipe": "r", "run": "te", "seed": 0, "status": "skipped", "reason": "no TE"}]
+    rows = {r["run"]: r for r in e2e.aggregate(records, ["r"], ["bf16", "loka", "te"])}
+    assert rows["bf16"]["ne_vs_bf16_pct"] == pytest.approx(0.0)
+    assert rows["loka"]["ne_vs_bf16_pct"] == pytest.approx(0.5)  # mean of +1 % and 0 %
+    assert rows["loka"]["ne_vs_bf16_pct_range"] == pytest.approx([0.0, 1.0])
+    assert rows["loka"]["speedup_vs_bf16"] == pytest.approx(11.0 / 8.0)
+    assert rows["bf16"]["ne_seed_spread_pct"] == pytest.approx(100 * 0.01414214 / 0.81, rel=1e-4)
+    assert rows["te"]["status"] == "skipped" and rows["te"]["reasons"] == ["no TE"] and rows["te"]["eval_ne"] is None
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
+    """dlrm (small), 2 gloo ranks, a few steps: bf16, bf16_nomods, loka run; te is skipped with the reason."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, DRIVER, "--device", "cpu", "--recipes", "dlrm", "--runs", "bf16,bf16_nomods,loka,te",
+        "--seeds", "0", "--nproc", "2", "--steps", "6", "--window-start", "3", "--probe-warmup", "2",
+        "--out", str(out), "--name", "smoke", "--run-timeout", "120", "--max-seconds", "300",
+    ]
+    for override in ("data.num_tables=4", "data.num_embeddings=1000", "data.embedding_dim=32", "data.batch_size=128",
+                     "data.eval_batches=4", "model.dense_arch_layer_sizes=[64,32]", "model.over_arch_layer_sizes=[64,32,1]",
+                     "loka.probe.every=1", "loka.dispatch.min_speedup=0", "loka.dispatch.samples=3",
+                     "loka.dispatch.timing_reps=1"):
+        cmd += ["--override", override]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = out.glob("*-smoke.json")
+    result = json.loads(json_path.read_text())
+    md = json_path.with_suffix(".md").read_text()
+    assert json_path.with_suffix(".png").stat().st_size > 0 and result["plot"]
+    assert result["device"].startswith("CPU") and result["versions"]["torch"]
+    runs = {r["run"]: r for r in result["runs"]}
+    for name in ("bf16", "bf16_nomods", "loka"):
+        r = runs[name]
+        assert r["status"] == "ok", (name, r.get("reason"), r.get("log_tail"))
+        assert r["timed_window"] == [4, 6] and r["timed_steps"] == 3
+        assert r["p10_step_ms"] <= r["median_step_ms"] <= r["p90_step_ms"]
+        assert 0 < r["eval_ne"] < 2 and 0 <= r["eval_auc"] <= 1 and r["qps"] > 0
+        assert r["peak_memory_gb"] is None  # CPU
+        assert "model=dlrm device=cpu" in r["command"] and "--nproc_per_node=2" in r["command"]
+        assert os.path.isfile(os.path.join(r["run_dir"], "summary.json"))
+    # the loka run: Probe -> Dispatch plan (FP8 somewhere, with the speed gate off), by backend
+    dispatch = runs["loka"]["dispatch"]
+    assert dispatch["fp8_gemms"] > 0 and sum(dispatch["fp8_by_backend"].values()) == dispatch["fp8_gemms"]
+    assert runs["bf16"]["dispatch"]["fp8_gemms"] == 0 and "dispatch" not in runs["bf16_nomods"]
+    assert runs["te"]["status"] == "skipped" and "CUDA only" in runs["te"]["reason"]
+    rows = {r["run"]: r for r in result["table"]}
+    assert rows["bf16"]["ne_vs_bf16_pct"] == 0.0
+    expected = 100 * (runs["loka"]["eval_ne"] - runs["bf16"]["eval_ne"]) / runs["bf16"]["eval_ne"]
+    assert rows["loka"]["ne_vs_bf16_pct"] == pytest.approx(expected)
+    for text in ("## dlrm", "| loka | ok |", "| te | skipped |", "CUDA only", "## Commands", "LOKA_RUN_DIR="):
+        assert text in md

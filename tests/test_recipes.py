@@ -1,0 +1,146 @@
+"""The Hydra recipes compose, build their model (on ``meta``: no CPU training of the large ones),
+and bad model options fail with one error that names the field. Fast: no processes, no data."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from loka_torchrec.config import from_mapping
+from loka_torchrec.models import MODEL_NAMES, build_model
+
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "model")
+RECIPES = sorted(f[: -len(".yaml")] for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
+META = torch.device("meta")
+
+
+def compose(*overrides):
+    """The resolved recipe as a plain dict, exactly as ``python -m loka_torchrec.train`` composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module("loka_torchrec.recipes", version_base=None):
+        cfg = hydra_compose("config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def data_spec(data):
+    """The recipe's DataSpec without generating any data (the teacher of a large preset is costly)."""
+    options = dict(data)
+    kind = options.pop("kind")
+    if kind == "pooled":
+        from loka_torchrec.training.synthetic import SyntheticConfig, make_data_spec
+
+        return make_data_spec(from_mapping(SyntheticConfig, options, field="data"))
+    from loka_torchrec.training.synthetic_sequences import SyntheticSequenceConfig, make_sequence_data_spec
+
+    return make_sequence_data_spec(from_mapping(SyntheticSequenceConfig, options, field="data"))
+
+
+def build(cfg, device=META):
+    model = dict(cfg["model"])
+    return build_model(model.pop("name"), model, data_spec(cfg["data"]), device)
+
+
+def test_every_model_has_a_small_and_a_large_recipe():
+    assert set(RECIPES) == {"dlrm", "dcn", "dhen", "hstu", "dlrm_large", "dcn_large", "dhen_large", "hstu_large"}
+    assert set(MODEL_NAMES()) == {"dlrm", "dcn", "dhen", "hstu"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_builds_its_model(recipe):
+    cfg = compose(f"model={recipe}")
+    assert cfg["model"]["name"] == recipe.replace("_large", "")
+    assert cfg["data"]["kind"] == ("sequence" if recipe.startswith("hstu") else "pooled")
+    assert isinstance(cfg["data"]["embedding_dim"], int) and isinstance(cfg["data"]["batch_size"], int)
+    model = build(cfg)
+    assert isinstance(model, nn.Module)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_the_command_line_wins_over_a_recipe():
+    cfg = compose("model=hstu_large", "data.max_seq_len=64", "model.num_layers=2", "train.lr=0.02")
+    assert cfg["data"]["max_seq_len"] == 64 and cfg["model"]["num_layers"] == 2 and cfg["train"]["lr"] == 0.02
+    assert build(cfg).max_len == 64
+    # model.embedding_dim follows data.embedding_dim (an interpolation in the recipe)
+    cfg = compose("model=dhen", "data.embedding_dim=16")
+    assert cfg["model"]["embedding_dim"] == 16
+    assert build(cfg).config.embedding_dim == 16
+
+
+@pytest.mark.parametrize(
+    "recipe, preset",
+    [("dhen", "small"), ("dhen_large", "large"), ("hstu", "small"), ("hstu_large", "large")],
+)
+def test_dhen_and_hstu_recipes_are_the_config_presets(recipe, preset):
+    """The yaml files spell out every field (so `model.x=...` needs no `+`); they must not drift."""
+    from loka_torchrec.models.dhen import DhenConfig
+    from loka_torchrec.models.hstu import HstuConfig
+
+    cls = DhenConfig if recipe.startswith("dhen") else HstuConfig
+    options = dict(compose(f"model={recipe}")["model"])
+    options.pop("name")
+    assert set(options) == {f.name for f in dataclasses.fields(cls)}
+    assert cls.from_options(options) == getattr(cls, preset)()
+
+
+def _gemm_shapes(model):
+    return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+@pytest.mark.parametrize("recipe", ["dlrm_large", "dcn_large", "dhen_large", "hstu_large"])
+def test_large_presets_have_lrm_sized_gemms(recipe):
+    """Most dense weights sit in GEMMs with K, N in 256..2048; M (rows per GEMM) is in 2k..64k."""
+    cfg = compose(f"model={recipe}")
+    model = build(cfg)
+    shapes = _gemm_shapes(model)
+    total = sum(k * n for k, n in shapes)
+    lrm = sum(k * n for k, n in shapes if 256 <= k <= 2048 and 256 <= n <= 2048)
+    assert lrm >= 0.9 * total, shapes
+    data = cfg["data"]
+    if data["kind"] == "sequence":
+        rows = data["batch_size"] * (data["min_seq_len"] + data["max_seq_len"]) / 2  # expected history tokens
+    else:
+        rows = data["batch_size"]
+    assert 2048 <= rows <= 65536
+
+
+def test_large_dhen_has_the_documented_shape():
+    model = build(compose("model=dhen_large"))
+    assert model.over_arch.num_tokens == 8  # 7 pooled features + the dense token
+    assert model.config.embedding_dim == 256
+    assert (2048, 512) in _gemm_shapes(model)  # a layer's fused entry (cross V + linear map)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model=hstu", "data=pooled"], "model.name: the hstu model needs sequence data (data.kind=sequence"),
+        (["model=dhen", "data=sequence"], "model.name: the dhen model needs pooled sparse features"),
+        (["model=dhen", "model.embedding_dim=64"], "model.embedding_dim: 64 disagrees with data.embedding_dim (32)"),
+        (["model=hstu", "model.embedding_dim=16"], "model.embedding_dim: 16 disagrees with data.embedding_dim (32)"),
+        (["model=dhen", "model.attention_heads=3"], "model.attention_heads (3) must divide embedding_dim (32)"),
+        (["model=dhen", "model.ensemble=stack"], "model.ensemble must be one of"),
+        (["model=dhen", "model.interactions=[dot,nope]"], "model.interactions must be distinct names"),
+        (["model=dhen", "model.head_hidden=7"], "model.head_hidden must be a sequence of ints"),
+        (["model=dhen", "+model.bogus=1"], "model: unknown DHEN option(s) ['bogus']"),
+        (["model=hstu", "model.num_heads=0"], "model.num_heads must be an int >= 1"),
+        (["model=hstu", "model.candidate_feature=nope"], "model.candidate_feature: 'nope' is not a sequence feature"),
+        (["model=dhen", "data.num_tables=2"], "model.ensemble='concat' needs at least one output token per"),
+    ],
+)
+def test_bad_model_options_are_one_clear_error(overrides, message):
+    with pytest.raises(ValueError) as info:
+        build(compose(*overrides))
+    assert message in str(info.value)
+
+
+def test_switching_only_data_kind_says_how_to_switch():
+    from loka_torchrec.training.data import make_data
+
+    data = compose("model=dlrm", "data.kind=sequence")["data"]
+    with pytest.raises(ValueError, match=r"data: unknown option\(s\) \['num_embeddings'.*`data=sequence`"):
+        make_data(data, rank=0, world_size=1, seed=0)
