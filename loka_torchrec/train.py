@@ -114,6 +114,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     if loka:
         lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
         lines.append(f"dispatch plan    {loka['plan_file']}")
+        if loka.get("step_guard"):
+            lines.append(f"step-time guard   {loka['step_guard']}")
         if loka.get("fallen_back"):
             lines.append(f"safety valve     in bf16 now: {sorted(loka['fallen_back'])}")
     elif not baseline:

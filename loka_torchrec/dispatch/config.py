@@ -42,6 +42,12 @@ class DispatchConfig:
         grad_format: FP8 format of gradients in the dgrad and wgrad GEMMs.
         fallback: what to do when a backend named in ``mode``/``candidates`` is unavailable:
             ``"error"`` (refuse to start, naming it and why) or ``"bf16"`` (warn and use bf16).
+        step_guard_window: the step-time guard (:mod:`loka_torchrec.dispatch.step_guard`) compares
+            the median of this many step times in bf16 with as many after a ``policy`` plan turns
+            FP8 on, and returns every GEMM to bf16 when the step got slower; 0 turns it off. It
+            needs the loop to report step times (``Dispatcher.observe_step_time``; the project's
+            job does).
+        step_guard_tolerance: relative slowdown allowed before the guard acts (noise margin).
     """
 
     mode: str = "policy"
@@ -58,6 +64,8 @@ class DispatchConfig:
     min_features: int = 1
     grad_format: str = "e4m3"
     fallback: str = "error"
+    step_guard_window: int = 50
+    step_guard_tolerance: float = 0.02
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -91,6 +99,10 @@ class DispatchConfig:
         if self.fallback not in ("error", "bf16"):
             raise ValueError(f"dispatch.fallback: expected 'error' or 'bf16', got {self.fallback!r}")
         Fp8Format.parse(self.grad_format, field="dispatch.grad_format")
+        if isinstance(self.step_guard_window, bool) or not isinstance(self.step_guard_window, int) or self.step_guard_window < 0:
+            raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
+        if not self.step_guard_tolerance >= 0:
+            raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
 
     @property
     def static_choice(self) -> Optional[KernelChoice]:

@@ -30,6 +30,7 @@ from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.policy import decide
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
 from loka_torchrec.dispatch.recipes import recipe_for
+from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 
@@ -112,6 +113,8 @@ class Dispatcher(EvidenceConsumer):
         self._layers = dict(layers)
         self._grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
         self._fallen_back: Dict[str, str] = {}
+        self._guard = StepTimeGuard(config.step_guard_window, config.step_guard_tolerance)
+        self.step_guard_reason: Optional[str] = None  # set when the guard sent every GEMM back to bf16
         self.events: List[dict] = []
         self.plan: DispatchPlan = self._initial_plan()
         self._apply(self.plan)
@@ -160,6 +163,7 @@ class Dispatcher(EvidenceConsumer):
             )
         plan = self._broadcast(plan)
         self.plan = plan
+        self._guard.restart()
         self._apply(plan)
         self._verify_identical()
         self._record({"event": "replan", "step": step, "source": source, "digest": plan.digest(), "summary": plan.summary()})
@@ -178,10 +182,52 @@ class Dispatcher(EvidenceConsumer):
     def readmit(self, layer: str, *, step: int) -> None:
         if self._fallen_back.pop(layer, None) is None:
             return
-        if layer in self.plan.layers:
+        if layer in self.plan.layers and self.step_guard_reason is None:
             self._layers[layer].set_kernels(self.plan.layers[layer].kernels)
         self._record({"event": "readmit", "step": step, "layer": layer})
         logger.info("dispatch: layer %s readmitted to its planned kernels at step %d", layer, step)
+
+    # ------------------------------------------------------------------ step-time guard
+    def observe_step_time(self, step: int, step_ms: float) -> Optional[GuardVerdict]:
+        """Report one training step's wall time (ms, synchronized with the device) to the guard.
+
+        Call it after every step on every rank (the project's job does). When a trial window after
+        an FP8 plan completes, the ranks agree on the medians (the slowest rank counts), the verdict
+        is recorded in ``dispatch_events.jsonl``, and when the step got slower every GEMM returns
+        to bf16 for the rest of the run (:attr:`step_guard_reason` says why). Returns the verdict
+        at that step, else ``None``.
+        """
+        fp8_active = self.step_guard_reason is None and self._runs_fp8()
+        verdict = self._guard.observe(step, step_ms, fp8_active=fp8_active)
+        if verdict is None:
+            return None
+        verdict = self._agree(verdict)
+        self._record({"event": "step_guard", "step": step, "bf16_ms": verdict.bf16_ms, "fp8_ms": verdict.fp8_ms,
+                      "keep_fp8": verdict.keep_fp8})  # fmt: skip
+        if verdict.keep_fp8:
+            if self._rank() == 0:
+                logger.info("dispatch: %s", verdict.describe())
+            return verdict
+        self.step_guard_reason = verdict.describe()
+        self._apply(self.plan)
+        if self._rank() == 0:
+            logger.warning("dispatch: %s at step %d", self.step_guard_reason, step)
+        return verdict
+
+    def _runs_fp8(self) -> bool:
+        return any(not m.kernels.all_high_precision for name, m in self._layers.items() if name not in self._fallen_back)
+
+    def _agree(self, verdict: GuardVerdict) -> GuardVerdict:
+        """The verdict every rank takes: medians all-reduced with max (the slowest rank counts)."""
+        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
+            return verdict
+        device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
+        if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        medians = torch.tensor([verdict.bf16_ms, verdict.fp8_ms], dtype=torch.float64, device=device)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
+        bf16_ms, fp8_ms = medians.tolist()
+        return GuardVerdict(verdict.step, bf16_ms, fp8_ms, keep_fp8=fp8_ms <= bf16_ms * (1.0 + self._guard.tolerance))
 
     # ------------------------------------------------------------------ training-loop hook
     def on_step_end(self, step: int) -> None:
@@ -254,7 +300,7 @@ class Dispatcher(EvidenceConsumer):
     def _apply(self, plan: DispatchPlan) -> None:
         for name, module in self._layers.items():
             kernels = plan.layers[name].kernels if name in plan.layers else LayerKernels()
-            if name in self._fallen_back:
+            if name in self._fallen_back or self.step_guard_reason is not None:
                 kernels = LayerKernels()
             module.set_kernels(kernels)
 

@@ -117,5 +117,6 @@ def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
-    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    # "inclusive": quartiles within the observed range (the default extrapolates, below 0 for n=2).
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) >= 2 else [times[0]] * 3
     return Interval(statistics.median(times), min(q[0], statistics.median(times)), max(q[2], statistics.median(times)), len(times), "iqr")

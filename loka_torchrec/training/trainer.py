@@ -301,6 +301,8 @@ class Trainer:
                 torch.cuda.synchronize(self.ctx.device)
             step_times.append(time.perf_counter() - t0)
             timed_steps.append(step)
+            if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
+                self.loka.dispatcher.observe_step_time(step, 1e3 * step_times[-1])
             if step % cfg.log_every == 0 or step == cfg.steps:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
                 record["step_time_ms"] = 1e3 * sorted(step_times[-cfg.log_every:])[len(step_times[-cfg.log_every:]) // 2]
@@ -445,11 +447,12 @@ class Trainer:
         return {
             "converted_layers": len(self.loka.converted),
             "skipped_layers": len(self.loka.skipped),
-            "plan": plan.summary(),
-            "fp8_gemms": plan.fp8_gemm_count(),
+            "plan": plan.summary() + (" (not running: the step-time guard returned every GEMM to bf16)" if self.loka.dispatcher.step_guard_reason else ""),
+            "fp8_gemms": 0 if self.loka.dispatcher.step_guard_reason else plan.fp8_gemm_count(),
             "kernels": plan.counts(),
             "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),
             "fallen_back": self.loka.dispatcher.fallen_back,
+            "step_guard": self.loka.dispatcher.step_guard_reason,
         }
 
 

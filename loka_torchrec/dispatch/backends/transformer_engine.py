@@ -107,6 +107,10 @@ class TransformerEngineBackend(GemmBackend):
                 return f"te:blockwise runs on Hopper (sm90) GPUs; this one is sm{major}{minor}"
             if shape.k % 128:
                 return f"te:blockwise needs K to be a multiple of 128, got K={shape.k}"
+            if shape.m % 8:
+                # TE asserts this in its GEMM ("Outer dimension requirement on B ... Caller must
+                # pad"): jagged inputs (HSTU's tokens) have such row counts at some steps.
+                return f"te:blockwise needs M (rows) to be a multiple of 8, got M={shape.m}"
         return None
 
     # ----------------------------------------------------------------------------- compute

@@ -1,0 +1,121 @@
+"""The step-time guard: FP8 stays on only if the whole training step got faster."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import loka_torchrec
+from loka_torchrec.dispatch import DispatchConfig
+from loka_torchrec.dispatch.step_guard import StepTimeGuard
+
+
+def _feed(guard, times, *, fp8, start=0):
+    verdicts = [guard.observe(start + i, t, fp8_active=fp8) for i, t in enumerate(times)]
+    return [v for v in verdicts if v is not None]
+
+
+def test_verdict_compares_medians_after_settling():
+    guard = StepTimeGuard(window=4, tolerance=0.05, settle=2)
+    assert _feed(guard, [10.0, 10.0, 11.0, 9.0, 100.0], fp8=False) == []  # baseline keeps the last 4
+    # two settle steps (a slow first FP8 step is not held against it), then 4 timed steps
+    verdicts = _feed(guard, [500.0, 500.0, 10.4, 10.6, 10.2, 99.0], fp8=True, start=5)
+    assert len(verdicts) == 1
+    v = verdicts[0]
+    assert v.step == 10 and v.bf16_ms == pytest.approx(10.5) and v.fp8_ms == pytest.approx(10.5) and v.keep_fp8
+    assert _feed(guard, [50.0] * 10, fp8=True, start=11) == []  # one verdict per plan
+
+
+def test_slower_step_means_bf16_and_tolerance_is_a_margin():
+    slow = StepTimeGuard(window=3, tolerance=0.02, settle=0)
+    _feed(slow, [10.0] * 3, fp8=False)
+    (v,) = _feed(slow, [10.3, 10.3, 10.3], fp8=True, start=3)
+    assert not v.keep_fp8 and v.ratio == pytest.approx(1.03) and "returns to bf16" in v.describe()
+    lenient = StepTimeGuard(window=3, tolerance=0.05, settle=0)
+    _feed(lenient, [10.0] * 3, fp8=False)
+    (v,) = _feed(lenient, [10.3, 10.3, 10.3], fp8=True, start=3)
+    assert v.keep_fp8 and "keeps FP8" in v.describe()
+
+
+def test_no_verdict_without_a_baseline_or_when_disabled():
+    guard = StepTimeGuard(window=4, settle=0)
+    assert _feed(guard, [1.0] * 20, fp8=True) == []  # FP8 from the first step: nothing to compare with
+    off = StepTimeGuard(window=0)
+    _feed(off, [1.0] * 4, fp8=False)
+    assert _feed(off, [9.0] * 20, fp8=True) == [] and not off.enabled
+    nan_times = StepTimeGuard(window=2, settle=0)
+    _feed(nan_times, [1.0, 1.0], fp8=False)
+    assert _feed(nan_times, [float("nan"), -1.0, 1.0], fp8=True) == []  # not times: ignored
+
+
+def test_restart_starts_a_new_trial_and_bad_settings_name_the_field():
+    guard = StepTimeGuard(window=2, settle=0)
+    _feed(guard, [1.0, 1.0], fp8=False)
+    assert len(_feed(guard, [1.0, 1.0], fp8=True)) == 1
+    guard.restart()
+    assert len(_feed(guard, [5.0, 5.0], fp8=True)) == 1
+    with pytest.raises(ValueError, match="step_guard_window"):
+        StepTimeGuard(window=-1)
+    with pytest.raises(ValueError, match="step_guard_tolerance"):
+        DispatchConfig(step_guard_tolerance=-0.1)
+    with pytest.raises(ValueError, match="step_guard_window"):
+        DispatchConfig(step_guard_window=1.5)
+
+
+def _planned_model(tmp_path, window=4):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 16))
+    cfg = DispatchConfig(mode="policy", plan_at_step=1, min_speedup=0.0, samples=3, timing_reps=1, step_guard_window=window)
+    report = loka_torchrec.apply(model, cfg, run_dir=str(tmp_path))
+    return model, report.dispatcher
+
+
+@pytest.mark.parametrize("fp8_ms, keeps", [(12.0, False), (8.0, True)])
+def test_dispatcher_returns_every_gemm_to_bf16_when_the_step_got_slower(tmp_path, fp8_ms, keeps):
+    model, d = _planned_model(tmp_path)
+    model(torch.randn(64, 32)).sum().backward()
+    for step in range(1, 5):
+        d.observe_step_time(step, 10.0)  # bf16 steps: the baseline
+    d.on_step_end(1)  # plan_at_step=1: a plan from random evidence, FP8 everywhere (min_speedup=0)
+    assert d.plan.fp8_gemm_count() > 0 and d._runs_fp8()
+    verdicts = [d.observe_step_time(step, fp8_ms) for step in range(5, 5 + 5 + 4)]  # 5 settle + 4 timed
+    (verdict,) = [v for v in verdicts if v is not None]
+    assert verdict.keep_fp8 is keeps
+    assert d._runs_fp8() is keeps and (d.step_guard_reason is None) is keeps
+    events = [json.loads(line) for line in (tmp_path / "dispatch_events.jsonl").read_text().splitlines()]
+    guard_events = [e for e in events if e["event"] == "step_guard"]
+    assert guard_events == [{"event": "step_guard", "step": 13, "bf16_ms": 10.0, "fp8_ms": fp8_ms, "keep_fp8": keeps}]
+    if not keeps:
+        assert all(layer.kernels.all_high_precision for layer in d.managed_layers().values())
+        assert "12.00 ms with FP8 vs 10.00 ms in bf16" in d.step_guard_reason
+        d.readmit("0", step=20)  # a readmission by the Probe's valve does not override the guard
+        assert not d._runs_fp8()
+
+
+def _guard_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, d = _planned_model(os.path.join(out_dir, f"run{rank}"))
+        model(torch.randn(16, 32)).sum().backward()
+        for step in range(1, 5):
+            d.observe_step_time(step, 10.0)
+        d.on_step_end(1)
+        for step in range(5, 14):
+            # rank 0 got faster, rank 1 slower: the slowest rank counts, on both ranks
+            d.observe_step_time(step, 8.0 if rank == 0 else 12.0)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"reason": d.step_guard_reason, "fp8": d._runs_fp8()}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_same_verdict(tmp_path):
+    mp.start_processes(_guard_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1] and results[0]["fp8"] is False
+    assert "12.00 ms with FP8 vs 10.00 ms in bf16" in results[0]["reason"]
