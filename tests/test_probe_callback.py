@@ -306,3 +306,38 @@ def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
     assert writes == [1, 9]  # the planning report, then the 10th report (step 9)
     cb.close()
     assert writes == [1, 9, 11] and read_summary(tmp_path / "probe" / "summary.json")[0]["planned"]
+
+
+def test_state_dict_round_trip_resumes_a_planned_probe_without_replanning(tmp_path):
+    """A resumed run keeps the plan's statistics, histories and layer states, and does not re-plan."""
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    cb = probe(model, CFG, run_dir=str(tmp_path / "a"), consumer=dispatch)
+    _train(model, cb, 6)  # plans at step 3, then monitors
+    state = cb.state_dict()
+    cb.close()
+    path = tmp_path / "probe.pt"
+    torch.save(state, path)
+
+    resumed_dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    resumed = ProbeCallback(model, CFG, run_dir=str(tmp_path / "b"), consumer=resumed_dispatch, start_step=6)
+    resumed.load_state_dict(torch.load(path, weights_only=False))
+    assert resumed.planned
+    for name in ("fc1", "fc2"):
+        before, after = cb.layer_state(name), resumed.layer_state(name)
+        assert after.state == before.state and list(after.act_amax) == list(before.act_amax)
+        assert torch.equal(after.reference_act.mean, before.reference_act.mean)
+        assert after.evidence_step == before.evidence_step == 3
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(6, 12):
+        model(torch.randn(32, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        resumed.on_step_end(step)
+    resumed.close()
+    assert not [c for c in resumed_dispatch.calls if c[0] == "replan"]  # the plan stands
+
+    other = probe(nn.Sequential(nn.Linear(16, 8)), CFG, run_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="layers differ"):
+        other.load_state_dict(state)
+    other.close()

@@ -173,6 +173,60 @@ class ProbeCallback:
         if config.is_probe_step(start_step):
             self._arm()
 
+    # ------------------------------------------------------------------------------ checkpoints
+    _STATE_VERSION = 1
+    # What a LayerState carries from one probe step to the next (not the per-step windows).
+    _LAYER_FIELDS = (
+        "act_amax", "grad_amax", "reference_act", "reference_grad", "recovery_act", "recovery_grad", "rows",
+        "state", "clean_windows", "reason", "evidence", "evidence_step", "evidence_records", "history",
+        "events", "weight", "reservoir",
+    )  # fmt: skip
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs to go on where this one stopped (for ``torch.save``).
+
+        The learned statistics the plan was made from (the safety valve's reference), amax
+        histories, the weight model, the reservoir, every layer's state (planned, tripped,
+        recovering) with its evidence and events, and whether the plan was made. Tensors stay
+        on their device; load with ``map_location`` to move them.
+        """
+        if not self.enabled:
+            return {"version": self._STATE_VERSION, "enabled": False}
+        layers = {name: {field: getattr(st, field) for field in self._LAYER_FIELDS} for name, st in self._layers.items()}
+        return {
+            "version": self._STATE_VERSION,
+            "enabled": True,
+            "planned": self.planned,
+            "probe_steps": self._probe_steps,
+            "events": list(self._events),
+            "layers": layers,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; after it, the Probe does not re-plan a planned run.
+
+        Raises:
+            ValueError: the state is from another version, or its layers are not this Probe's.
+        """
+        if not self.enabled or not state.get("enabled", False):
+            return
+        if state.get("version") != self._STATE_VERSION:
+            raise ValueError(f"probe state: version {state.get('version')!r}, expected {self._STATE_VERSION}")
+        saved, mine = set(state["layers"]), set(self._layers)
+        if saved != mine:
+            raise ValueError(
+                f"probe state: layers differ from this model's (only saved: {sorted(saved - mine)}; "
+                f"only here: {sorted(mine - saved)})"
+            )
+        for name, fields in state["layers"].items():
+            layer = self._layers[name]
+            for field in self._LAYER_FIELDS:
+                setattr(layer, field, fields[field])
+        self.planned = bool(state["planned"])
+        self._probe_steps = int(state["probe_steps"])
+        self._events = list(state["events"])
+        self._events_in_summary = 0  # the next report rewrites summary.json
+
     # ------------------------------------------------------------------------------ public API
     @property
     def layer_names(self) -> List[str]:

@@ -396,6 +396,8 @@ class Trainer:
         }
         if self.loka is not None:
             state["loka"] = {"plan": self.loka.dispatcher.plan.to_dict(), "fallen_back": self.loka.dispatcher.fallen_back}
+        if self.probe is not None:
+            state["probe"] = self.probe.state_dict()
         return state
 
     def save(self, step: int) -> str:
@@ -419,6 +421,8 @@ class Trainer:
             for layer, reason in state["loka"].get("fallen_back", {}).items():
                 dispatcher.fallback(layer, f"(resumed) {reason}", step=self.start_step)
             dispatcher._apply(dispatcher.plan)
+        if self.probe is not None and "probe" in state:
+            self.probe.load_state_dict(state["probe"])  # a planned run is not re-planned from scratch
         if self.ctx.is_main:
             logger.info("resumed from %s at step %d", folder, self.start_step)
 
