@@ -14,7 +14,9 @@ What is measured (one process, the current device):
 
 From these, the average overhead of a run of ``L`` steps at the default cadence
 (``ProbeConfig()``: every 10 steps in a 200-step warm-up, then every 100) is
-``(n_warm c_warm + c_eval + n_mon c_monitor + n_idle c_idle) / (L t_step)``. A direct measurement
+``(n_warm (c_warm + c_arm) + c_eval + n_mon (c_monitor + c_arm) + n_idle c_idle) / (L t_step)``,
+with ``c_arm`` the cost of registering the hooks at the end of the step before each probe step
+and ``t_step`` the step of a run without the Probe. A direct measurement
 of ``--direct-steps`` steps at the default cadence (with and without the Probe) checks it.
 
 Usage::
@@ -94,8 +96,33 @@ def default_cadence_overhead(t_step: float, c: Dict[str, float], run_steps_: int
     n_warm = sum(1 for s in steps if s < cfg.warmup_steps and cfg.is_probe_step(s))
     n_mon = sum(1 for s in steps if s >= cfg.warmup_steps and cfg.is_probe_step(s))
     n_idle = run_steps_ - n_warm - n_mon
-    extra = n_warm * c["warm"] + (c["eval"] if run_steps_ >= cfg.warmup_steps else 0.0) + n_mon * c["monitor"] + n_idle * c["idle"]
+    # Every probe step is armed (hooks registered) at the end of the step before it.
+    per_probe = c.get("arm", 0.0)
+    extra = (
+        n_warm * (c["warm"] + per_probe)
+        + (c["eval"] if run_steps_ >= cfg.warmup_steps else 0.0)
+        + n_mon * (c["monitor"] + per_probe)
+        + n_idle * c["idle"]
+    )
     return 100.0 * extra / (run_steps_ * t_step)
+
+
+def idle_callback_ms(model, run_dir: str, reps: int = 200) -> float:
+    """Median ms of ``on_step_end`` on a step that neither probes nor arms the next one."""
+    cfg = ProbeConfig(enabled=True)
+    probe = ProbeCallback(model, cfg, run_dir=run_dir, start_step=1)
+    times = []
+    step = 1
+    while len(times) < reps:
+        if not cfg.is_probe_step(step) and not cfg.is_probe_step(step + 1):
+            t0 = time.perf_counter()
+            probe.on_step_end(step)
+            times.append((time.perf_counter() - t0) * 1e3)
+        step += 1
+        if step >= cfg.warmup_steps - 2:
+            step = 1
+    probe.close()
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -131,13 +158,19 @@ def main(argv=None) -> int:
     med = statistics.median
     plain_warm = med(times[s] for s in range(1, plan_step, 2))
     plain_mon = med(times[s] for s in range(plan_step + 2, 4 * n, 2))
-    t_step = med([times[s] for s in range(1, 4 * n, 2) if s != plan_step])
+    interleaved_plain = med([times[s] for s in range(1, 4 * n, 2) if s != plan_step])
     c = {
         "warm": med(times[s] for s in range(0, plan_step, 2)) - plain_warm,
         "eval": times[plan_step] - plain_warm,
         "monitor": med(times[s] for s in range(plan_step + 1, 4 * n, 2)) - plain_mon,
-        "idle": med(callback_ms[s] for s in range(1, 4 * n, 2) if s != plan_step),  # on_step_end without probing
+        # on_step_end of a step before a probe step: it registers the hooks
+        "arm": med(callback_ms[s] for s in range(1, 4 * n, 2) if s != plan_step),
     }
+    with tempfile.TemporaryDirectory() as run_dir:
+        c["idle"] = idle_callback_ms(model, run_dir)  # neither probing nor arming: most steps of a run
+    # The denominator is a step of a run without the Probe: next to probe steps, plain steps ran
+    # slower (allocator and caches disturbed), which would flatter the percentages.
+    t_step = statistics.median(base)
     predicted = {L: default_cadence_overhead(t_step, c, L) for L in args.run_lengths}
 
     direct = None
@@ -168,6 +201,7 @@ def main(argv=None) -> int:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "config_default": dataclasses.asdict(ProbeConfig()),
         "t_step_ms": t_step,
+        "t_step_between_probe_steps_ms": interleaved_plain,
         "t_step_without_probe_ms": statistics.median(base),
         "extra_ms": c,
         "probe_seconds_breakdown": seconds,
@@ -185,8 +219,9 @@ def main(argv=None) -> int:
         "",
         "| quantity | ms |",
         "|---|---|",
-        f"| plain step (median; {statistics.median(base):.2f} in a run without the Probe) | {t_step:.2f} |",
-        f"| extra, step with Probe enabled but not probing | {c['idle']:.3f} |",
+        f"| plain step, a run without the Probe (median; {interleaved_plain:.2f} between probe steps) | {t_step:.2f} |",
+        f"| extra, step with Probe enabled but not probing | {c['idle']:.4f} |",
+        f"| extra, the step before a probe step (registers the hooks) | {c['arm']:.3f} |",
         f"| extra, warm-up probe step | {c['warm']:.2f} |",
         f"| extra, monitoring probe step | {c['monitor']:.2f} |",
         f"| one-time evaluation at the end of warm-up | {c['eval']:.1f} |",
