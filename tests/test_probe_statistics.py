@@ -227,3 +227,17 @@ def test_monitoring_updates_skip_moments_but_keep_amax_kurtosis_and_fractions():
     assert digest["kurtosis"] == full.kurtosis() and digest["mean_sq"] == full.mean_square()
     assert digest["std_mean"] == pytest.approx(float(x.std(dim=0).mean()), rel=1e-12)
     assert digest["mean_norm"] == pytest.approx(float(x.mean(dim=0).norm()), rel=1e-12)
+
+
+def test_underflow_counts_do_not_depend_on_the_comparison_chunking(monkeypatch):
+    """The batched (format x granularity) comparison is chunked by rows to bound memory; counts are exact either way."""
+    import loka_torchrec.probe.statistics as statistics_module
+
+    torch.manual_seed(4)
+    x = torch.randn(300, 40) * torch.exp(6 * torch.randn(300, 40))
+    whole = TensorStatistics(40)
+    whole.update(x)
+    monkeypatch.setattr(statistics_module, "_UNDERFLOW_CHUNK", 4 * 40 * 7)  # 7 rows per comparison
+    chunked = TensorStatistics(40)
+    chunked.update(x)
+    assert torch.equal(whole.underflow, chunked.underflow) and whole.underflow.sum() > 0

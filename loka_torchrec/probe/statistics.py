@@ -50,6 +50,7 @@ PROBE_FORMATS: Tuple[Fp8Format, ...] = (Fp8Format.E4M3, Fp8Format.E5M2)
 PROBE_GRANULARITIES: Tuple[str, ...] = ("tensorwise", "rowwise")
 """Scaling granularities whose underflow fractions are tracked."""
 
+_UNDERFLOW_CHUNK = 1 << 28  # booleans of one batched underflow comparison (256 MiB)
 _CHUNK_ELEMENTS = 1 << 22  # float64 rows are processed in chunks of at most this many elements (32 MiB)
 
 
@@ -218,14 +219,26 @@ class TensorStatistics:
     def _count_underflow(self, absx: torch.Tensor, amax_call: torch.Tensor) -> None:
         if absx.dtype not in (torch.float32, torch.float64):
             absx = absx.float()  # float32 holds every threshold below (amax * 2**-27 at the least)
+        # With scale fp8_max / amax, |x| rounds to zero when |x| * scale <= smallest_subnormal / 2,
+        # i.e. when |x| <= amax * smallest_subnormal / (2 * fp8_max); exact zeros do not count.
+        # All (format, granularity) pairs in one comparison and one reduction: a probe step runs
+        # this for every tensor of every layer, and launches, not bytes, are what it costs.
+        rows = absx.shape[0]
+        amax_by_gran = {
+            "tensorwise": amax_call.to(absx.dtype).expand(rows, 1),
+            "rowwise": absx.amax(dim=1, keepdim=True),
+        }
+        thresholds = torch.stack(
+            [amax_by_gran[gran] * (fmt.smallest_subnormal / (2.0 * fmt.max)) for fmt in PROBE_FORMATS for gran in PROBE_GRANULARITIES]
+        )  # (formats * granularities, rows, 1)
+        # The comparison materializes (pairs, rows, cols) booleans: at most _UNDERFLOW_CHUNK of them at once.
+        step = max(1, _UNDERFLOW_CHUNK // (thresholds.shape[0] * max(absx.shape[1], 1)))
+        below = sum(
+            torch.count_nonzero(absx[r : r + step].unsqueeze(0) <= thresholds[:, r : r + step], dim=(1, 2))
+            for r in range(0, rows, step)
+        )
         zeros = torch.count_nonzero(absx == 0)
-        thresholds = {"tensorwise": amax_call.to(absx.dtype), "rowwise": absx.amax(dim=1, keepdim=True)}
-        for i, fmt in enumerate(PROBE_FORMATS):
-            # With scale fp8_max / amax, |x| rounds to zero when |x| * scale <= smallest_subnormal / 2,
-            # i.e. when |x| <= amax * smallest_subnormal / (2 * fp8_max); exact zeros do not count.
-            ratio = fmt.smallest_subnormal / (2.0 * fmt.max)
-            for j, gran in enumerate(PROBE_GRANULARITIES):
-                self.underflow[i, j] += torch.count_nonzero(absx <= thresholds[gran] * ratio) - zeros
+        self.underflow += (below - zeros).reshape(self.underflow.shape)
 
     def _update_power_sums(self, x: torch.Tensor) -> None:
         # Elementwise in float32 (float64 inputs stay float64), accumulated in float64: each
