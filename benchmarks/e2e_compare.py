@@ -146,7 +146,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--window-start",
         type=int,
         default=None,
-        help="steps after this one are timed (default: the larger of steps/2 and the probe warm-up + 20 with loka)",
+        help="steps after this one are timed (default: the larger of steps/2 and, with loka, the probe warm-up + 80: "
+        "the plan, then the step-time guard's 5 settling and 50 compared steps, come first)",
     )
     p.add_argument("--probe-warmup", type=int, default=200, help="loka.probe.warmup_steps of the loka run (steps)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --nproc_per_node)")
@@ -178,7 +179,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.window_start is None:
         args.window_start = args.steps // 2
         if "loka" in args.runs:
-            args.window_start = max(args.window_start, args.probe_warmup + 20)
+            # after the plan (end of warm-up) and the step-time guard's verdict (5 + 50 steps later)
+            args.window_start = max(args.window_start, args.probe_warmup + 80)
     if not 0 < args.window_start < args.steps:
         p.error(f"--window-start: must be in [1, --steps={args.steps}), got {args.window_start}")
     if "loka" in args.runs and args.window_start <= args.probe_warmup:

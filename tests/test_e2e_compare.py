@@ -23,18 +23,19 @@ def _driver():
 def test_run_overrides_and_window():
     e2e = _driver()
     args = e2e.parse_args(["--runs", "bf16,loka,torchao_rowwise", "--steps", "500", "--torchao-auto-filter", "--override", "data.batch_size=64"])
-    assert args.window_start == 250 and args.seeds == [0, 1]
+    assert args.window_start == 280 and args.seeds == [0, 1]  # warm-up 200 + plan + step-time guard
     loka = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka"], 1)
     assert loka[:2] == ["model=hstu_large", "device=cuda"]
     for item in ("loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8", "loka.probe.warmup_steps=200",
-                 "seed=1", "train.steps=500", "train.timing_start=250", "train.autocast=bf16"):
+                 "seed=1", "train.steps=500", "train.timing_start=280", "train.autocast=bf16"):
         assert item in loka
     assert loka[-1] == "data.batch_size=64"  # the user's overrides win
     assert "baseline.auto_filter=true" in e2e.run_overrides(args, "dlrm_large", e2e.RUNS["torchao_rowwise"], 0)
     bf16 = e2e.run_overrides(args, "dlrm_large", e2e.RUNS["bf16"], 0)
     assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all" in bf16
-    # the window must start after the probe's warm-up, where the loka run plans
-    assert e2e.parse_args(["--runs", "loka", "--steps", "300"]).window_start == 220
+    # the window starts after the probe's warm-up (the plan) and the step-time guard's verdict
+    assert e2e.parse_args(["--runs", "loka", "--steps", "300"]).window_start == 280
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "300"]).window_start == 150
     with pytest.raises(SystemExit):
         e2e.parse_args(["--runs", "loka", "--steps", "300", "--window-start", "100"])
     with pytest.raises(SystemExit):
