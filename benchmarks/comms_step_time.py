@@ -36,12 +36,12 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from loka_torchrec.atomic_files import write_text_atomic
 
 VARIANTS = ("fp32", "torchrec_bf16", "torchrec_fp8", "loka_fp8", "loka_fp8_bwd_fp8")
 
@@ -184,12 +184,6 @@ def run_variant(variant: str, args, device, plan, batches) -> Dict:
     return result
 
 
-def _write_atomic(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp_")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
 
 def _markdown(meta: Dict, results: List[Dict]) -> str:
     by = {r["variant"]: r for r in results if "error" not in r}
@@ -265,9 +259,9 @@ def main(argv=None) -> int:
             ),
         }
         os.makedirs(args.out, exist_ok=True)
-        _write_atomic(os.path.join(args.out, "results.json"), json.dumps({"meta": meta, "results": results}, indent=1))
+        write_text_atomic(os.path.join(args.out, "results.json"), json.dumps({"meta": meta, "results": results}, indent=1))
         table = _markdown(meta, results)
-        _write_atomic(os.path.join(args.out, "results.md"), table)
+        write_text_atomic(os.path.join(args.out, "results.md"), table)
         print(table)
     dist.barrier()
     dist.destroy_process_group()

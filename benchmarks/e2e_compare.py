@@ -65,9 +65,9 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+from loka_torchrec.atomic_files import write_text_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RECIPES = ("dlrm_large", "dhen_large", "hstu_large")
@@ -511,14 +511,6 @@ def _versions() -> Dict[str, Optional[str]]:
     return versions
 
 
-def _write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
 
 # --------------------------------------------------------------------------------------- main
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -554,8 +546,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result["plot"] = None if problem else base + ".png"
         if problem:
             result["plot_skipped"] = problem
-        _write(base + ".json", json.dumps(result, indent=1, default=str))
-        _write(base + ".md", to_markdown(meta, rows, records))
+        write_text_atomic(base + ".json", json.dumps(result, indent=1, default=str))
+        write_text_atomic(base + ".md", to_markdown(meta, rows, records))
 
     for seed in args.seeds:  # every recipe and run of the first seed before the second
         for recipe in args.recipes:

@@ -40,7 +40,6 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -50,6 +49,7 @@ from loka_torchrec.dispatch.backends import backend_names, get_backend
 from loka_torchrec.dispatch.recipes import recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import relative_frobenius
+from loka_torchrec.atomic_files import write_text_atomic
 
 for _module in ("fbgemm", "transformer_engine", "triton"):  # registers the GPU backends (they import lazily)
     importlib.import_module(f"loka_torchrec.dispatch.backends.{_module}")
@@ -392,14 +392,6 @@ def markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
 
 def _versions() -> Dict[str, Optional[str]]:
     versions: Dict[str, Optional[str]] = {"torch": torch.__version__, "python": platform.python_version()}
@@ -470,8 +462,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def flush():
         meta["elapsed_s"] = round(time.perf_counter() - start, 1)
-        _atomic_write(base + ".json", json.dumps(dict(meta, rows=rows), indent=1, default=str))
-        _atomic_write(base + ".md", markdown(meta, rows))
+        write_text_atomic(base + ".json", json.dumps(dict(meta, rows=rows), indent=1, default=str))
+        write_text_atomic(base + ".md", markdown(meta, rows))
 
     print(f"gemm_bench: {meta['device']}, candidates: {', '.join(meta['candidates']) or 'none'}", flush=True)
     for reason_backend, reason in unavailable.items():

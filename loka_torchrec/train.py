@@ -64,13 +64,9 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
             run_dir=run_dir,
             batch_size=data.batch_size,
             baseline_config=baseline_cfg,
+            teacher_ne=data.teacher_ne,
         )
         summary = trainer.fit()
-        summary["teacher_eval_ne"] = data.teacher_ne
-        if ctx.is_main:  # the Trainer wrote it without the teacher's NE, which only the data knows
-            from loka_torchrec.training.trainer import _write_json
-
-            _write_json(os.path.join(run_dir, "summary.json"), summary)
         # The pipeline may still hold input distributions issued for batches it prefetched: let
         # every rank finish them before the process group goes away (else a C++ abort at exit).
         del trainer

@@ -28,13 +28,13 @@ import math
 import os
 import platform
 import sys
-import tempfile
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from loka_torchrec.comms import CommsConfig, registry
 from loka_torchrec.fp8 import mere, relative_frobenius, sqnr_db
+from loka_torchrec.atomic_files import write_text_atomic
 
 POOLED = "POOLED_EMBEDDINGS_ALL_TO_ALL"
 
@@ -134,14 +134,6 @@ def markdown(results: List[dict], command: str, rows: int, dim: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -157,8 +149,8 @@ def main(argv=None) -> int:
     table = markdown(results, command.strip(), args.rows, args.dim)
     print(table)
     if args.out:
-        _write_atomic(args.out, table)
-        _write_atomic(os.path.splitext(args.out)[0] + ".json", json.dumps(results, indent=1))
+        write_text_atomic(args.out, table)
+        write_text_atomic(os.path.splitext(args.out)[0] + ".json", json.dumps(results, indent=1))
     return 0
 
 

@@ -32,11 +32,11 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from loka_torchrec.atomic_files import write_text_atomic
 
 VARIANTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
     # (row label, ModsConfig preset, the single mod for "custom")
@@ -164,14 +164,6 @@ def _teacher_ne(args: Tuple[str, int, int, int]) -> Tuple[str, float]:
     return model, _datasets(model, steps, batch_size, eval_batches, 0)[3]()
 
 
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
 
 def aggregate(results: List[Dict[str, Any]], models: List[str]) -> Dict[str, Dict[str, Dict[str, Any]]]:
     """``{model: {variant: {"mean", "sd", "per_seed", "delta_pct", "noise_pct", "beyond_noise", "worse_seeds"}}}``.
@@ -296,8 +288,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     print("\n" + summary + "\n" + table)
     results.sort(key=lambda r: (r["model"], r["seed"], [v[0] for v in VARIANTS].index(r["variant"])))
-    _write_atomic(prefix + ".md", f"Produced by:\n\n    {command}\n\n{summary}\n{table}")
-    _write_atomic(
+    write_text_atomic(prefix + ".md", f"Produced by:\n\n    {command}\n\n{summary}\n{table}")
+    write_text_atomic(
         prefix + ".json",
         json.dumps(
             {"command": command, "args": vars(args), "teacher_ne": teacher,

@@ -13,7 +13,6 @@ digests of what each rank actually runs are all-gathered and compared; a mismatc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -176,6 +175,7 @@ class Dispatcher(EvidenceConsumer):
             raise ValueError(f"dispatch.fallback: unknown layer {layer!r}")
         self._fallen_back[layer] = reason
         self._layers[layer].set_kernels(LayerKernels())
+        self._fp8_running = self._runs_fp8()
         self._record({"event": "fallback", "step": step, "layer": layer, "reason": reason})
         logger.warning("dispatch: layer %s falls back to bf16 at step %d: %s", layer, step, reason)
 
@@ -184,6 +184,7 @@ class Dispatcher(EvidenceConsumer):
             return
         if layer in self.plan.layers and self.step_guard_reason is None:
             self._layers[layer].set_kernels(self.plan.layers[layer].kernels)
+            self._fp8_running = self._runs_fp8()
         self._record({"event": "readmit", "step": step, "layer": layer})
         logger.info("dispatch: layer %s readmitted to its planned kernels at step %d", layer, step)
 
@@ -197,7 +198,7 @@ class Dispatcher(EvidenceConsumer):
         to bf16 for the rest of the run (:attr:`step_guard_reason` says why). Returns the verdict
         at that step, else ``None``.
         """
-        fp8_active = self.step_guard_reason is None and self._runs_fp8()
+        fp8_active = self.step_guard_reason is None and self._fp8_running
         verdict = self._guard.observe(step, step_ms, fp8_active=fp8_active)
         if verdict is None:
             return None
@@ -215,7 +216,7 @@ class Dispatcher(EvidenceConsumer):
         return verdict
 
     def _runs_fp8(self) -> bool:
-        return any(not m.kernels.all_high_precision for name, m in self._layers.items() if name not in self._fallen_back)
+        return any(not m.kernels.all_high_precision for m in self._layers.values())
 
     def _agree(self, verdict: GuardVerdict) -> GuardVerdict:
         """The verdict every rank takes: medians all-reduced with max (the slowest rank counts)."""
@@ -303,6 +304,7 @@ class Dispatcher(EvidenceConsumer):
             if name in self._fallen_back or self.step_guard_reason is not None:
                 kernels = LayerKernels()
             module.set_kernels(kernels)
+        self._fp8_running = self._runs_fp8()
 
     def _layer_sizes(self) -> Dict[str, tuple]:
         return {

@@ -411,7 +411,11 @@ class LokaLinear(nn.Linear):
             if plan.all_high_precision:
                 return F.linear(input, weight, bias)  # exactly nn.Linear under autocast
             with torch.autocast(device_type, enabled=False):  # the kernels pick their own precision
-                return self.forward(input.to(torch.get_autocast_dtype(device_type)))
+                return self._forward_planned(input.to(torch.get_autocast_dtype(device_type)), lead, rows, plan)
+        return self._forward_planned(input, lead, rows, plan)
+
+    def _forward_planned(self, input: torch.Tensor, lead: torch.Size, rows: int, plan: _ShapePlan) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
         if plan.all_high_precision and high_precision_dtype(input) == input.dtype == weight.dtype:
             return F.linear(input, weight, bias)  # exactly nn.Linear
         x2d = input.reshape(rows, self.in_features)

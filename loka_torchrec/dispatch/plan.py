@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from typing import Any, Dict, Optional
 
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
@@ -210,19 +209,9 @@ class DispatchPlan:
 
     def save(self, path: str) -> None:
         """Write the plan as JSON atomically (temp file in the same folder, then rename)."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        from loka_torchrec.atomic_files import write_json_atomic
+
+        write_json_atomic(path, self.to_dict(), fsync=True)
 
     @classmethod
     def load(cls, path: str) -> "DispatchPlan":

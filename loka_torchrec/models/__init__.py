@@ -148,17 +148,13 @@ def build_dhen_model(options: Dict[str, Any], spec: DataSpec, device: torch.devi
     """
     from loka_torchrec.models.dhen import DhenConfig, build_dhen
 
-    if not spec.pooled_tables:
+    tables = spec.pooled_tables
+    if not tables:
         raise ValueError(
             "model.name: the dhen model needs pooled sparse features (data.kind=pooled; select them with "
             "`data=pooled`), but the data has only sequence features"
         )
-    _model_embedding_dim(options, spec.pooled_tables, "dhen", "pooled")
-    try:
-        config = DhenConfig.from_options(options)
-        return build_dhen(config, spec, device)
-    except (TypeError, ValueError) as exc:
-        raise _model_error(exc, "DhenConfig") from exc
+    return _build_from_config(options, spec, device, tables, "dhen", "pooled", DhenConfig, build_dhen)
 
 
 @register_model("hstu")
@@ -171,14 +167,19 @@ def build_hstu_model(options: Dict[str, Any], spec: DataSpec, device: torch.devi
     """
     from loka_torchrec.models.hstu import HstuConfig, build_hstu
 
-    if not spec.sequence_tables:
+    tables = spec.sequence_tables
+    if not tables:
         raise ValueError(
             "model.name: the hstu model needs sequence data (data.kind=sequence; select it with "
             "`data=sequence`), but the data has only pooled features"
         )
-    _model_embedding_dim(options, spec.sequence_tables, "hstu", "sequence")
+    return _build_from_config(options, spec, device, tables, "hstu", "sequence", HstuConfig, build_hstu)
+
+
+def _build_from_config(options, spec, device, tables, model: str, kind: str, config_cls, build) -> nn.Module:
+    """``build(config_cls.from_options(options), spec, device)``, errors named after the recipe's fields."""
+    _model_embedding_dim(options, tables, model, kind)
     try:
-        config = HstuConfig.from_options(options)
-        return build_hstu(config, spec, device)
+        return build(config_cls.from_options(options), spec, device)
     except (TypeError, ValueError) as exc:
-        raise _model_error(exc, "HstuConfig") from exc
+        raise _model_error(exc, config_cls.__name__) from exc

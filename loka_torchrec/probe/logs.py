@@ -25,10 +25,11 @@ import json
 import math
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from loka_torchrec import atomic_files
 
 __all__ = ["ProbeLog", "write_json_atomic", "read_rank_log", "read_summary", "to_jsonable", "rank_log_paths", "LOG_VERSION"]
 
@@ -90,21 +91,8 @@ class ProbeLog:
 
 
 def write_json_atomic(path: "str | os.PathLike", obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(to_jsonable(obj), f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the summary is for every reader of the run dir
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write ``obj`` as JSON to ``path`` atomically, non-finite floats as strings (see :func:`to_jsonable`)."""
+    atomic_files.write_json_atomic(path, to_jsonable(obj), fsync=True, allow_nan=False)
 
 
 def read_rank_log(path: "str | os.PathLike") -> Tuple[List[Dict[str, Any]], List[str]]:

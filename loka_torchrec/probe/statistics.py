@@ -107,7 +107,6 @@ class TensorStatistics:
     # ------------------------------------------------------------------------------ storage
     def _alloc(self, device: torch.device) -> None:
         f64 = dict(dtype=torch.float64, device=device)
-        s = len(self.cov_index)
         self.mean = torch.zeros(self.dim, **f64)
         self.m2_diag = torch.zeros(self.dim, **f64)
         self.m2_cov: Optional[torch.Tensor] = None  # allocated by the first moment update: monitoring windows never pay for it

@@ -15,48 +15,28 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
+
+from loka_torchrec.atomic_files import atomic_file, write_json_atomic
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint"]
 
 META = "meta.json"
 
 
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.partial"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _atomic_json(obj: Any, path: str) -> None:
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(run_dir: str, step: int, state: Dict[str, Any], *, rank: int, world_size: int) -> str:
     """Save this rank's ``state`` for ``step``; returns the checkpoint folder. Collective call."""
     folder = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
-    _atomic_torch_save(state, os.path.join(folder, f"rank{rank}.pt"))
+    with atomic_file(os.path.join(folder, f"rank{rank}.pt"), "wb", fsync=True) as f:
+        torch.save(state, f)
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        _atomic_json({"step": step, "world_size": world_size}, os.path.join(folder, META))
+        write_json_atomic(os.path.join(folder, META), {"step": step, "world_size": world_size})
     if dist.is_initialized():
         dist.barrier()
     return folder

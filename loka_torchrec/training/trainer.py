@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loka_torchrec.baselines import BaselineConfig
+from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from loka_torchrec.training.distributed import DistContext
@@ -159,6 +159,7 @@ class Trainer:
         batch_size: per-rank batch size (for QPS and the planner).
         baseline_config: another library's FP8 training on the dense layers
             (:mod:`loka_torchrec.baselines`); only with ``loka_config.enabled=False``.
+        teacher_ne: the best NE reachable on the eval split (reported next to the run's own), if known.
     """
 
     def __init__(
@@ -173,6 +174,7 @@ class Trainer:
         run_dir: str,
         batch_size: int,
         baseline_config: Optional[BaselineConfig] = None,
+        teacher_ne: Optional[float] = None,
     ) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -183,6 +185,7 @@ class Trainer:
 
         self.ctx, self.cfg, self.loka_cfg, self.run_dir = ctx, train_config, loka_config, run_dir
         self.batch_size = batch_size
+        self.teacher_ne = teacher_ne
         self.train_data, self.eval_data = train_data, eval_data
         self.rank_dir = os.path.join(run_dir, f"rank{ctx.rank}")
         os.makedirs(self.rank_dir, exist_ok=True)
@@ -351,12 +354,13 @@ class Trainer:
             "eval_ne": final_eval.get("ne"),
             "eval_auc": final_eval.get("auc"),
             "eval_loss": final_eval.get("loss"),
+            "teacher_eval_ne": self.teacher_ne,
             "run_dir": self.run_dir,
             "loka": self._loka_summary(),
             "baseline": None if self.baseline is None else self.baseline.summary(),
         }
         if self.ctx.is_main:
-            _write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary, default=str)
         return summary
 
     @torch.no_grad()
@@ -378,11 +382,10 @@ class Trainer:
         """Print the dispatch plan table on rank 0 whenever the plan changes."""
         if self.loka is None or not self.ctx.is_main:
             return
-        plan = self.loka.dispatcher.plan
-        digest = (plan.step, plan.digest())
-        if digest == getattr(self, "_shown_plan", None) or plan.mode == "policy" and plan.step == 0:
+        plan = self.loka.dispatcher.plan  # a new plan is a new object: no hashing on every step
+        if plan is getattr(self, "_shown_plan", None) or plan.mode == "policy" and plan.step == 0:
             return
-        self._shown_plan = digest
+        self._shown_plan = plan
         text = plan.table()
         (bar.write if bar is not None else print)(text)
 
@@ -459,9 +462,3 @@ class Trainer:
             "step_guard": self.loka.dispatcher.step_guard_reason,
         }
 
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
