@@ -30,11 +30,22 @@ Runs (``--runs``):
   ``torch.compile``); ``--torchao-auto-filter`` adds torchao's size filter (not for gw_hp);
 * ``te``: Transformer Engine ``Linear`` + FP8 autocast, ``DelayedScaling`` (TE's default on
   H100); ``te_tensorwise``: the same with ``Float8CurrentScaling`` (not in the default list);
-* ``loka``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward.
+* ``loka``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward;
+* ``loka_comms_off``: the same with TorchRec's fp32 embedding comms (not in the default list);
+* ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
+  (``train.sharding_group_size=1``; CUDA only; not in the default list).
 
 Every run gets ``train.autocast=<--autocast>`` (default bf16: GEMMs left in high precision and
 the other dense ops run in bf16 under ``torch.autocast``). A run whose library is not installed,
 or ``te`` on ``--device cpu``, is skipped with the reason, without launching it.
+
+``--profile-start N --profile-steps K`` (default off) profiles steps ``N..N+K-1`` of every run
+(``train.profile_start/profile_steps``; those steps are left out of the step times) and adds the
+section "Where the step goes": per run and seed, kernel ms per step, the shares of GEMMs (bf16 +
+fp8), FP8 quantization, embeddings, communication and the rest, the device's idle share, and the
+Amdahl ceiling of the step if every GEMM ran 2x faster (``loka_torchrec/training/profiling.py``).
+Put the window after ``--window-start`` (steady state), e.g. ``--steps 300 --window-start 220
+--profile-start 290 --profile-steps 5``.
 
 Usage (one H100)::
 
@@ -126,6 +137,15 @@ RUNS: Dict[str, RunSpec] = {
             "loka",
             ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8"),
         ),
+        # Multi-rank comparisons: LoKA with TorchRec's own fp32 embedding comms, and LoKA under
+        # DMPCollection (2D sparse parallelism: sharding groups of one rank, replicated).
+        RunSpec("loka_comms_off", ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")),
+        RunSpec(
+            "loka_dmpc",
+            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
+             "train.sharding_group_size=1"),
+            cuda_only=True,
+        ),
     )
 }
 DEFAULT_RUNS = ("bf16", "bf16_nomods", "torchao_tensorwise", "torchao_rowwise", "torchao_rowwise_with_gw_hp", "te", "loka")
@@ -150,10 +170,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "the plan, then the step-time guard's 5 settling and 50 compared steps, come first)",
     )
     p.add_argument("--probe-warmup", type=int, default=200, help="loka.probe.warmup_steps of the loka run (steps)")
+    p.add_argument(
+        "--one-seed-runs",
+        default="",
+        help="comma-separated runs (also in --runs) that run with the first seed only, after all the others",
+    )
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --nproc_per_node)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--autocast", default="bf16", choices=("bf16", "none"), help="train.autocast of every run")
     p.add_argument("--torchao-auto-filter", action="store_true", help="torchao's own size filter (tensorwise, rowwise runs)")
+    p.add_argument(
+        "--profile-start",
+        type=int,
+        default=0,
+        help="profile steps N..N+K-1 of every run (train.profile_start; 0: off); those steps are not timed",
+    )
+    p.add_argument("--profile-steps", type=int, default=5, help="K: how many steps --profile-start profiles")
     p.add_argument("--override", action="append", default=[], help="an extra Hydra override for every run (repeatable)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--max-seconds", type=float, default=5400.0, help="overall deadline in seconds; later runs are not started")
@@ -163,7 +195,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.recipes = _names(args.recipes)
     args.runs = _names(args.runs)
-    unknown = [r for r in args.runs if r not in RUNS]
+    args.one_seed_runs = _names(args.one_seed_runs)
+    unknown = [r for r in args.runs + args.one_seed_runs if r not in RUNS]
     if unknown:
         p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
     try:
@@ -178,15 +211,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--nproc: must be >= 1, got {args.nproc}")
     if args.window_start is None:
         args.window_start = args.steps // 2
-        if "loka" in args.runs:
+        if any(r.startswith("loka") for r in args.runs):
             # after the plan (end of warm-up) and the step-time guard's verdict (5 + 50 steps later)
             args.window_start = max(args.window_start, args.probe_warmup + 80)
     if not 0 < args.window_start < args.steps:
         p.error(f"--window-start: must be in [1, --steps={args.steps}), got {args.window_start}")
-    if "loka" in args.runs and args.window_start <= args.probe_warmup:
+    if any(r.startswith("loka") for r in args.runs) and args.window_start <= args.probe_warmup:
         p.error(
             f"--window-start={args.window_start} must be after --probe-warmup={args.probe_warmup}: "
             "the loka run plans at the end of the probe's warm-up"
+        )
+    if args.profile_start < 0 or args.profile_steps < 1:
+        p.error(f"--profile-start / --profile-steps: must be >= 0 / >= 1, got {args.profile_start} / {args.profile_steps}")
+    if args.profile_start and args.profile_start + args.profile_steps - 1 > args.steps:
+        p.error(
+            f"--profile-start={args.profile_start} --profile-steps={args.profile_steps}: the last profiled step "
+            f"must be <= --steps={args.steps}"
         )
     return args
 
@@ -210,9 +250,17 @@ def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: in
         f"train.timing_start={args.window_start}",
         f"train.autocast={args.autocast}",
         "train.progress_bar=false",
+        *profile_overrides(args),
         *args.override,
     ]
     return overrides
+
+
+def profile_overrides(args: argparse.Namespace) -> List[str]:
+    """``train.profile_start/profile_steps`` with ``--profile-start`` (else none: the job's default, off)."""
+    if not args.profile_start:
+        return []
+    return [f"train.profile_start={args.profile_start}", f"train.profile_steps={args.profile_steps}"]
 
 
 def preflight(args: argparse.Namespace, spec: RunSpec) -> Optional[str]:
@@ -316,9 +364,16 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "converted_layers": loka.get("converted_layers"),
             "fallen_back": sorted(loka.get("fallen_back") or {}),
             "plan_file": loka.get("plan_file"),
+            "layer_checks": loka.get("layer_checks") or [],
+            "step_guard_verdicts": loka.get("step_guard_verdicts") or [],
+            "step_guard": loka.get("step_guard"),
         }
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
+    if s.get("profile"):
+        out["profile"] = s["profile"]
+    if s.get("probe_cost"):
+        out["probe_cost"] = s["probe_cost"]
     return out
 
 
@@ -380,6 +435,80 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
 
 
+def profile_section(records: List[Dict[str, Any]]) -> List[str]:
+    """"Where the step goes": one row per profiled run and seed (``--profile-start``), else no lines.
+
+    Shares are % of the summed kernel time (rank 0's); "other" is the rest (elementwise ops,
+    attention, copies); idle is % of the wall time with no kernel running.
+    """
+    profiled = [r for r in records if r.get("status") == "ok" and r.get("profile")]
+    if not profiled:
+        return []
+    first = profiled[0]["profile"]
+    lines = [
+        "## Where the step goes",
+        "",
+        f"`torch.profiler` over steps {first['steps'][0]}..{first['steps'][1]} of each run ({first['source']}, rank 0; "
+        "these steps are left out of the step times above). Shares are % of the summed kernel time; GEMM = bf16 + "
+        "fp8; other = elementwise, attention, copies; idle = % of the wall time with no kernel running. "
+        "2x-GEMM ceiling: the step's speed-up if every GEMM ran 2x faster, `1 / (1 - f + f/2)` with f the GEMM "
+        "share of the kernel time (of the wall time in brackets). Per-rank details: `rank<r>/profile.json`.",
+        "",
+        "| recipe | run | seed | wall ms/step | kernel ms/step | GEMM % (bf16 + fp8) | quantize % | embedding % | comms % | other % | idle % | 2x-GEMM ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in profiled:
+        p = r["profile"]
+        pct = {c: 100 * v for c, v in p["shares"].items()}
+        gemm = pct["gemm_bf16"] + pct["gemm_fp8"]
+        other = 100 - gemm - pct["fp8_quantize"] - pct["embedding"] - pct["comms"] if p["kernel_ms_per_step"] > 0 else 0.0
+        lines.append(
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {_fmt(p['wall_ms_per_step'], '.2f')} | {_fmt(p['kernel_ms_per_step'], '.2f')} "
+            f"| {gemm:.1f} ({pct['gemm_bf16']:.1f} + {pct['gemm_fp8']:.1f}) | {pct['fp8_quantize']:.1f} | {pct['embedding']:.1f} "
+            f"| {pct['comms']:.1f} | {other:.1f} | {100 * p['idle_share']:.1f} "
+            f"| {_fmt(p['amdahl_2x_gemm_ceiling'], '.3f')}x ({_fmt(p.get('amdahl_2x_gemm_ceiling_wall'), '.3f')}x) |"
+        )
+    return lines + [""]
+
+
+def loka_section(records: List[Dict[str, Any]]) -> List[str]:
+    """"What LoKA decided": per LoKA run and seed, the layer check, the step-time guard and the Probe's cost."""
+    runs = [r for r in records if r.get("status") == "ok" and r.get("dispatch") and r["run"].startswith("loka")]
+    if not runs:
+        return []
+    lines = [
+        "## What LoKA decided, and what the Probe cost",
+        "",
+        "Layer check: FP8 layers timed whole (fwd + bwd) against bf16 right after the plan, kept / checked "
+        "(`loka.dispatch.layer_check_reps`). Guard: the step-time guard's verdict, median step in bf16 before the "
+        "plan vs with the plan (`loka.dispatch.step_guard_window`). Probe cost: the probe steps' extra time over "
+        "nearby plain steps, as a share of this run's step time, and projected for a 100k-step run at the default "
+        "cadence (the warm-up probe steps stand in for monitoring steps the run did not reach).",
+        "",
+        "| recipe | run | seed | FP8 GEMMs at the end | layer check kept / checked | guard: bf16 -> plan ms | "
+        "probe steps extra ms (warm-up, plan) | probe share of this run | projected share, 100k steps |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        d = r["dispatch"]
+        checks = d.get("layer_checks") or []
+        kept = sum(1 for c in checks if c.get("kept_fp8"))
+        verdicts = d.get("step_guard_verdicts") or []
+        guard = "none"
+        if verdicts:
+            v = verdicts[-1]
+            guard = f"{_fmt(v.get('bf16_ms'), '.2f')} -> {_fmt(v.get('fp8_ms'), '.2f')} ({'kept' if v.get('keep_fp8') else 'back to bf16'})"
+        cost = r.get("probe_cost") or {}
+        measured = cost.get("measured_share")
+        projected = cost.get("projected_share")
+        lines.append(
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {d.get('fp8_gemms')}/{d.get('gemms')} | {kept} / {len(checks)} | {guard} "
+            f"| {_fmt(cost.get('warmup_extra_ms'), '.1f')}, {_fmt(cost.get('plan_extra_ms'), '.0f')} "
+            f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% |"
+        )
+    return lines + [""]
+
+
 def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[Dict[str, Any]]) -> str:
     a = meta["settings"]
     lines = [
@@ -428,6 +557,8 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             reason = str(r.get("reason") or "").replace("|", "\\|")
             lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {r['status']} | {reason} |")
         lines.append("")
+    lines += profile_section(records)
+    lines += loka_section(records)
     lines += ["## Commands", "", "```"]
     lines += [r["command"] for r in records if r.get("command")]
     lines += ["```", ""]
@@ -513,6 +644,15 @@ def _versions() -> Dict[str, Optional[str]]:
 
 
 # --------------------------------------------------------------------------------------- main
+def run_order(args: argparse.Namespace) -> List[Tuple[int, str, str]]:
+    """``(seed, recipe, run)`` in launch order: every recipe and run of the first seed before the
+    second; the ``--one-seed-runs`` last, with the first seed only (a deadline cuts those first)."""
+    repeated = [r for r in args.runs if r not in args.one_seed_runs]
+    order = [(seed, recipe, name) for seed in args.seeds for recipe in args.recipes for name in repeated]
+    order += [(args.seeds[0], recipe, name) for recipe in args.recipes for name in args.runs if name in args.one_seed_runs]
+    return order
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -530,7 +670,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             k: getattr(args, k)
             for k in (
                 "recipes", "runs", "seeds", "steps", "window_start", "probe_warmup", "nproc", "device", "autocast",
-                "torchao_auto_filter", "override", "run_timeout", "max_seconds",
+                "torchao_auto_filter", "override", "run_timeout", "max_seconds", "profile_start", "profile_steps",
             )
         },
         "runs_dir": runs_dir,
@@ -549,33 +689,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_text_atomic(base + ".json", json.dumps(result, indent=1, default=str))
         write_text_atomic(base + ".md", to_markdown(meta, rows, records))
 
-    for seed in args.seeds:  # every recipe and run of the first seed before the second
-        for recipe in args.recipes:
-            for name in args.runs:
-                spec = RUNS[name]
-                run_dir = os.path.join(runs_dir, recipe, name, f"seed{seed}")
-                base_record = {"recipe": recipe, "run": name, "seed": seed, "run_dir": run_dir}
-                reason = preflight(args, spec)
-                left = deadline - time.perf_counter()
-                if reason is not None:
-                    record = dict(base_record, status="skipped", reason=reason)
-                elif left < 30:
-                    record = dict(base_record, status="not_run", reason=f"overall deadline (--max-seconds={args.max_seconds:.0f}) reached")
-                else:
-                    print(f"[e2e] {recipe} / {name} / seed {seed} ...", flush=True)
-                    record = launch(args, recipe, spec, seed, run_dir, timeout=min(args.run_timeout, left))
-                print(
-                    f"[e2e] {recipe} / {name} / seed {seed}: {record['status']}"
-                    + (f" ({record['reason']})" if record.get("reason") else "")
-                    + (
-                        f", {_fmt(record.get('median_step_ms'), '.2f')} ms/step, eval NE {_fmt(record.get('eval_ne'), '.5f')}"
-                        if record["status"] == "ok"
-                        else ""
-                    ),
-                    flush=True,
-                )
-                records.append(record)
-                write_reports()  # after every run: a killed driver still leaves its results
+    for seed, recipe, name in run_order(args):
+        spec = RUNS[name]
+        run_dir = os.path.join(runs_dir, recipe, name, f"seed{seed}")
+        base_record = {"recipe": recipe, "run": name, "seed": seed, "run_dir": run_dir}
+        reason = preflight(args, spec)
+        left = deadline - time.perf_counter()
+        if reason is not None:
+            record = dict(base_record, status="skipped", reason=reason)
+        elif left < 30:
+            record = dict(base_record, status="not_run", reason=f"overall deadline (--max-seconds={args.max_seconds:.0f}) reached")
+        else:
+            print(f"[e2e] {recipe} / {name} / seed {seed} ...", flush=True)
+            record = launch(args, recipe, spec, seed, run_dir, timeout=min(args.run_timeout, left))
+        print(
+            f"[e2e] {recipe} / {name} / seed {seed}: {record['status']}"
+            + (f" ({record['reason']})" if record.get("reason") else "")
+            + (
+                f", {_fmt(record.get('median_step_ms'), '.2f')} ms/step, eval NE {_fmt(record.get('eval_ne'), '.5f')}"
+                if record["status"] == "ok"
+                else ""
+            ),
+            flush=True,
+        )
+        records.append(record)
+        write_reports()  # after every run: a killed driver still leaves its results
     print(f"[e2e] wrote {base}.json, {base}.md, {base}.png", flush=True)
     return 0
 

@@ -32,6 +32,7 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     from loka_torchrec.models import build_model
     from loka_torchrec.training.data import make_data
     from loka_torchrec.training.distributed import init_distributed
+    from loka_torchrec.training.sharding import check_sharding_group_size
     from loka_torchrec.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka
 
     # Validate everything the user typed before any process-group work.
@@ -48,6 +49,8 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's deprecation notices
     ctx = init_distributed(str(cfg.get("device", "auto")))
     try:
+        # What needs the world size and device: checked before the data and the model are built.
+        check_sharding_group_size(train_cfg.sharding_group_size, world_size=ctx.world_size, device=ctx.device)
         run_dir = _shared_run_dir(run_dir)
         _setup_logging(run_dir, ctx.rank)
         seed = int(cfg.get("seed", 0))
@@ -100,6 +103,11 @@ def format_summary(s: Dict[str, Any]) -> str:
         lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)")
     if s.get("autocast", "none") != "none":
         lines.append(f"autocast         {s['autocast']} (dense forward)")
+    if s.get("sharding_group_size") is not None:
+        lines.append(
+            f"2D sharding      DMPCollection: tables sharded over groups of {s['sharding_group_size']} rank(s), "
+            f"{s['world_size'] // s['sharding_group_size']} replica(s) synced every {s['sync_every']} step(s)"
+        )
     baseline = s.get("baseline")
     loka = s.get("loka")
     if baseline:
@@ -116,6 +124,15 @@ def format_summary(s: Dict[str, Any]) -> str:
             lines.append(f"safety valve     in bf16 now: {sorted(loka['fallen_back'])}")
     elif not baseline:
         lines.append("LoKA             off (loka.enabled=false)")
+    profile = s.get("profile")
+    if profile:
+        shares = profile["shares"]
+        lines.append(
+            f"profile          steps {profile['steps'][0]}..{profile['steps'][1]}: {f(profile['kernel_ms_per_step'], '.2f')} ms/step "
+            f"of {profile['source']} in {f(profile['wall_ms_per_step'], '.2f')} ms wall; GEMM {100 * profile['gemm_share']:.1f}% "
+            f"(fp8 {100 * shares['gemm_fp8']:.1f}%), quantize {100 * shares['fp8_quantize']:.1f}%, "
+            f"idle {100 * profile['idle_share']:.1f}%; 2x-GEMM ceiling {profile['amdahl_2x_gemm_ceiling']:.3f}x ({profile['file']})"
+        )
     lines.append(f"logs             {s['run_dir']} (summary.json, rank*/metrics.jsonl, rank*/train.log)")
     return "\n".join(lines)
 

@@ -42,6 +42,20 @@ def test_run_overrides_and_window():
         e2e.parse_args(["--runs", "bf16,nosuchrun"])
 
 
+def test_one_seed_runs_come_last_with_the_first_seed():
+    e2e = _driver()
+    args = e2e.parse_args(["--recipes", "dhen_large", "--runs", "bf16,loka,te,torchao_rowwise", "--seeds", "3,4",
+                           "--one-seed-runs", "te,torchao_rowwise"])  # fmt: skip
+    assert e2e.run_order(args) == [
+        (3, "dhen_large", "bf16"), (3, "dhen_large", "loka"), (4, "dhen_large", "bf16"), (4, "dhen_large", "loka"),
+        (3, "dhen_large", "te"), (3, "dhen_large", "torchao_rowwise"),
+    ]
+    # LoKA variants other than "loka" also move the timed window past the plan and the guard
+    assert e2e.parse_args(["--runs", "bf16,loka_dmpc", "--steps", "300", "--probe-warmup", "100"]).window_start == 180
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--runs", "bf16", "--one-seed-runs", "nosuchrun"])
+
+
 def test_error_reason_picks_the_job_error_not_torchrun_report():
     e2e = _driver()
     log = (
@@ -114,3 +128,34 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
     assert rows["loka"]["ne_vs_bf16_pct"] == pytest.approx(expected)
     for text in ("## dlrm", "| loka | ok |", "| te | skipped |", "CUDA only", "## Commands", "LOKA_RUN_DIR="):
         assert text in md
+
+
+def test_profile_flags_and_where_the_step_goes_section():
+    e2e = _driver()
+    args = e2e.parse_args(["--runs", "bf16", "--steps", "300", "--profile-start", "290", "--profile-steps", "5",
+                           "--override", "data.batch_size=64"])  # fmt: skip
+    overrides = e2e.run_overrides(args, "dhen_large", e2e.RUNS["bf16"], 0)
+    assert overrides[-3:] == ["train.profile_start=290", "train.profile_steps=5", "data.batch_size=64"]
+    assert not any("profile" in o for o in e2e.run_overrides(e2e.parse_args(["--runs", "bf16"]), "r", e2e.RUNS["bf16"], 0))
+    with pytest.raises(SystemExit):  # steps 298..302 do not fit in 300
+        e2e.parse_args(["--runs", "bf16", "--steps", "300", "--profile-start", "298"])
+
+    shares = {"gemm_bf16": 0.30, "gemm_fp8": 0.10, "fp8_quantize": 0.05, "attention": 0.0, "embedding": 0.20,
+              "comms": 0.15, "memcpy_memset": 0.02, "other": 0.18}  # fmt: skip
+    profile = {"steps": [290, 294], "source": "cuda kernels", "wall_ms_per_step": 40.0, "kernel_ms_per_step": 30.0,
+               "idle_share": 0.25, "gemm_share": 0.4, "amdahl_2x_gemm_ceiling": 1.25, "amdahl_2x_gemm_ceiling_wall": 1.176,
+               "shares": shares}  # fmt: skip
+    summary = {"median_step_ms": 35.0, "eval_ne": 0.9, "profile": profile}
+    record = {"recipe": "dhen_large", "run": "loka", "seed": 0, "status": "ok", "command": "x",
+              **e2e.metrics_from_summary(summary)}  # fmt: skip
+    assert record["profile"] == profile
+    meta = {"date": "d", "device": "H100", "versions": {"torch": "2.13"}, "command": "c", "seconds": 1.0,
+            "settings": {"nproc": 1, "device": "cuda", "steps": 300, "window_start": 220, "autocast": "bf16",
+                         "seeds": [0], "recipes": ["dhen_large"]}}  # fmt: skip
+    md = e2e.to_markdown(meta, e2e.aggregate([record], ["dhen_large"], ["loka"]), [record])
+    assert "## Where the step goes" in md and "steps 290..294" in md
+    row = next(line for line in md.splitlines() if line.startswith("| dhen_large | loka | 0 |"))
+    # wall, kernel ms/step, GEMM (bf16 + fp8), quantize, embedding, comms, other (the rest), idle, ceiling
+    assert row == "| dhen_large | loka | 0 | 40.00 | 30.00 | 40.0 (30.0 + 10.0) | 5.0 | 20.0 | 15.0 | 20.0 | 25.0 | 1.250x (1.176x) |"
+    without = dict(record, profile=None)
+    assert "Where the step goes" not in e2e.to_markdown(meta, e2e.aggregate([without], ["dhen_large"], ["loka"]), [without])

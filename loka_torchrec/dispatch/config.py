@@ -48,6 +48,10 @@ class DispatchConfig:
             needs the loop to report step times (``Dispatcher.observe_step_time``; the project's
             job does).
         step_guard_tolerance: relative slowdown allowed before the guard acts (noise margin).
+        layer_check_reps: after a ``policy`` plan is made, every layer with an FP8 GEMM is timed
+            whole (forward + backward, host overhead included) against bf16 with this many
+            repetitions, and goes back to bf16 unless it reaches ``min_speedup``
+            (:mod:`loka_torchrec.dispatch.layer_check`); 0 turns the check off.
     """
 
     mode: str = "policy"
@@ -66,6 +70,7 @@ class DispatchConfig:
     fallback: str = "error"
     step_guard_window: int = 50
     step_guard_tolerance: float = 0.02
+    layer_check_reps: int = 10
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -101,6 +106,8 @@ class DispatchConfig:
         Fp8Format.parse(self.grad_format, field="dispatch.grad_format")
         if isinstance(self.step_guard_window, bool) or not isinstance(self.step_guard_window, int) or self.step_guard_window < 0:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
+        if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
+            raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from loka_torchrec.dispatch.backends import get_backend
 from loka_torchrec.dispatch.backends.base import BackendUnavailableError
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.policy import decide
@@ -160,6 +161,8 @@ class Dispatcher(EvidenceConsumer):
                 step=step,
                 device=self._device_name(),
             )
+            if self.config.layer_check_reps > 0:
+                plan = self._check_layers(plan, step)
         plan = self._broadcast(plan)
         self.plan = plan
         self._guard.restart()
@@ -169,6 +172,22 @@ class Dispatcher(EvidenceConsumer):
         self._save_plan()
         if self._rank() == 0:
             logger.info("dispatch plan at step %d (evidence: %s):\n%s", step, source, plan.table())
+
+    def _check_layers(self, plan: DispatchPlan, step: int) -> DispatchPlan:
+        """``plan`` with the FP8 layers that are not faster as a whole back in bf16 (rank 0 times them)."""
+        before = plan.fp8_gemm_count()
+        plan, records = check_plan_layers(
+            plan, self._layers, min_speedup=self.config.min_speedup, reps=self.config.layer_check_reps,
+            grad_format=self._grad_format,
+        )
+        for record in records:
+            self._record({"event": "layer_check", "step": step, **record})
+        if records:
+            logger.info(
+                "dispatch: layer check at step %d kept %d of %d FP8 layers (%d -> %d FP8 GEMMs)",
+                step, sum(r["kept_fp8"] for r in records), len(records), before, plan.fp8_gemm_count(),
+            )
+        return plan
 
     def fallback(self, layer: str, reason: str, *, step: int) -> None:
         if layer not in self._layers:

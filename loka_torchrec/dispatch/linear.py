@@ -192,6 +192,8 @@ class LokaLinear(nn.Linear):
 
     Attributes:
         last_rows: rows (product of the leading dims) of the last forward input; a Python int.
+        last_input_dtype, last_autocast_dtype: dtype of the last forward input, and the autocast
+            dtype it ran under (``None``: autocast off); the layer check times the layer so.
         nonfinite_events: int64 scalar tensor on the layer's device (a non-persistent buffer, not
             in ``state_dict``): scaling groups of FP8-quantized operands whose amax was inf or
             NaN. Per rank (TorchRec's DDP wrapper does not broadcast buffers); reading it on the
@@ -213,6 +215,8 @@ class LokaLinear(nn.Linear):
 
     _nonfinite_count: torch.Tensor
     last_rows: int
+    last_input_dtype: Optional[torch.dtype]
+    last_autocast_dtype: Optional[torch.dtype]
     fallback_reasons: Dict[GemmRole, str]
 
     def __init__(
@@ -234,6 +238,8 @@ class LokaLinear(nn.Linear):
         self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._pending_scales: list = []  # dequantization scales not yet counted (see nonfinite_events)
         self.last_rows = 0
+        self.last_input_dtype = None
+        self.last_autocast_dtype = None
         self.fallback_reasons = {}
         self._grad_format = Fp8Format.parse(grad_format, field="grad_format")
         self._weight_cache: Dict[Tuple, Any] = {}
@@ -407,11 +413,14 @@ class LokaLinear(nn.Linear):
             return F.linear(input, weight, bias)  # nothing to quantize
         plan = self._plan(rows, input.device)
         device_type = input.device.type
+        self.last_input_dtype = input.dtype
         if torch.is_autocast_enabled(device_type):
+            self.last_autocast_dtype = torch.get_autocast_dtype(device_type)
             if plan.all_high_precision:
                 return F.linear(input, weight, bias)  # exactly nn.Linear under autocast
             with torch.autocast(device_type, enabled=False):  # the kernels pick their own precision
                 return self._forward_planned(input.to(torch.get_autocast_dtype(device_type)), lead, rows, plan)
+        self.last_autocast_dtype = None
         return self._forward_planned(input, lead, rows, plan)
 
     def _forward_planned(self, input: torch.Tensor, lead: torch.Size, rows: int, plan: _ShapePlan) -> torch.Tensor:

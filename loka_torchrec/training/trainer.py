@@ -23,6 +23,7 @@ from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from loka_torchrec.training.distributed import DistContext
+from loka_torchrec.training.profiling import StepProfiler, profile_summary
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_vs_loka", "step_time_stats"]
 
@@ -74,6 +75,22 @@ class TrainConfig:
             precision compute in bf16 (the loss is computed in fp32 outside).
         timing_start: steps numbered above this one are timed for the summary's step-time
             statistics; 0 skips the first ``min(5, steps_this_run // 4)`` steps of the run.
+        profile_start, profile_steps: profile steps ``profile_start .. profile_start +
+            profile_steps - 1`` (numbered from 1, as the logs count) with ``torch.profiler`` and
+            write where their time went, by kernel category, to ``rank<r>/profile.json``
+            (:mod:`loka_torchrec.training.profiling`); 0: off. Profiled steps run slower, so they
+            are left out of the step-time statistics and the step-time guard.
+        profile_trace: with profiling, also write the Chrome trace ``rank<r>/profile_trace.json``
+            (large).
+        sharding_group_size: ``None``: plain ``DistributedModelParallel`` (tables sharded over all
+            ranks). An int: TorchRec's ``DMPCollection`` (2D sparse parallelism, CUDA only): tables
+            sharded over groups of this many ranks, replicated across the ``world_size //
+            sharding_group_size`` groups (:func:`loka_torchrec.training.sharding.shard_model`).
+        sync_every: with ``sharding_group_size``, average the embedding replicas (weights and
+            the fused optimizer's state, ``DMPCollection.sync``) every this many steps; the train
+            pipeline does it after the backward, where the fused optimizer has already updated
+            the tables. Above 1 the replicas drift apart in between (less all-reduce traffic), and
+            they are synced before each evaluation.
     """
 
     steps: int = 200
@@ -86,10 +103,20 @@ class TrainConfig:
     progress_bar: bool = True
     autocast: str = "none"
     timing_start: int = 0
+    profile_start: int = 0
+    profile_steps: int = 5
+    profile_trace: bool = False
+    sharding_group_size: Optional[int] = None
+    sync_every: int = 1
 
     def __post_init__(self) -> None:
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
+        for name, allow_null in (("sharding_group_size", True), ("sync_every", False)):
+            value = getattr(self, name)
+            if not (value is None and allow_null) and (type(value) is not int or value < 1):
+                expected = "null or an int >= 1 (ranks per sharding group)" if allow_null else "an int >= 1"
+                raise ValueError(f"train.{name}: expected {expected}, got {value!r}")
         if self.timing_start < 0 or self.timing_start >= self.steps:
             raise ValueError(
                 f"train.timing_start: must be >= 0 and < train.steps={self.steps}, got {self.timing_start}"
@@ -104,6 +131,15 @@ class TrainConfig:
             raise ValueError(f"train.lr / train.embedding_lr: must be > 0, got {self.lr} / {self.embedding_lr}")
         if self.resume is not None and not os.path.exists(self.resume):
             raise ValueError(f"train.resume: {self.resume!r} does not exist")
+        if self.profile_start < 0:
+            raise ValueError(f"train.profile_start: must be >= 0 (0: no profiling), got {self.profile_start}")
+        if self.profile_steps < 1:
+            raise ValueError(f"train.profile_steps: must be >= 1, got {self.profile_steps}")
+        if self.profile_start and self.profile_start + self.profile_steps - 1 > self.steps:
+            raise ValueError(
+                f"train.profile_start + train.profile_steps - 1: the last profiled step must be <= "
+                f"train.steps={self.steps}, got {self.profile_start} + {self.profile_steps} - 1"
+            )
 
 
 class ClickTrainModule(nn.Module):
@@ -181,7 +217,7 @@ class Trainer:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         from loka_torchrec.training.metrics import BinaryClassificationMetrics
-        from loka_torchrec.training.sharding import default_sharders, shard_model
+        from loka_torchrec.training.sharding import SYNC_INTERVAL_ARG, default_sharders, shard_model
 
         self.ctx, self.cfg, self.loka_cfg, self.run_dir = ctx, train_config, loka_config, run_dir
         self.batch_size = batch_size
@@ -209,7 +245,8 @@ class Trainer:
                 logger.info("%s", self.baseline)
         # 2. Sharders: FP8 embedding comms come with LoKA's comms registry when configured.
         sharders = self._sharders(default_sharders)
-        # 3. Shard with TorchRec's planner and DMP; fused row-wise Adagrad for embeddings.
+        # 3. Shard with TorchRec's planner and DMP (DMPCollection with train.sharding_group_size);
+        #    fused row-wise Adagrad for embeddings.
         self.module = ClickTrainModule(
             model,
             autocast_dtype=AUTOCAST_DTYPES[train_config.autocast],
@@ -224,6 +261,7 @@ class Trainer:
             batch_size=batch_size,
             embedding_lr=train_config.embedding_lr,
             sharders=sharders,
+            sharding_group_size=train_config.sharding_group_size,
         )
         # 4. Dense optimizer + the fused embedding optimizer behind one interface.
         dense = KeyedOptimizerWrapper(
@@ -231,8 +269,14 @@ class Trainer:
             lambda params: torch.optim.Adagrad(params, lr=train_config.lr),
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
-        # 5. The pipeline overlaps input distribution with compute.
-        self.pipeline = TrainPipelineSparseDist(self.model, self.optimizer, ctx.device, execute_all_batches=True)
+        # 5. The pipeline overlaps input distribution with compute; under DMPCollection it also
+        #    syncs the embedding replicas every train.sync_every steps (after the backward).
+        replica_sync = {}
+        if train_config.sharding_group_size is not None:
+            replica_sync = {SYNC_INTERVAL_ARG: train_config.sync_every}
+        self.pipeline = TrainPipelineSparseDist(
+            self.model, self.optimizer, ctx.device, execute_all_batches=True, **replica_sync
+        )
         # 6. Probe: statistics hooks and evidence for Dispatch (LoKA only).
         self.probe = self._probe(model)
         if self.loka is not None:
@@ -263,6 +307,19 @@ class Trainer:
         # The loop numbers steps from 1; the callback's cadence counts from start_step.
         return ProbeCallback(model, probe_cfg, run_dir=self.run_dir, consumer=self.loka.dispatcher, start_step=1)
 
+    def _step_profiler(self) -> Optional[StepProfiler]:
+        """The profiler of ``train.profile_start``'s window, or ``None`` (off, or a resumed run past it)."""
+        cfg = self.cfg
+        if not cfg.profile_start:
+            return None
+        if cfg.profile_start <= self.start_step:
+            logger.warning("train.profile_start=%d: the run resumes at step %d, after it; nothing is profiled",
+                           cfg.profile_start, self.start_step)  # fmt: skip
+            return None
+        return StepProfiler(
+            cfg.profile_start, cfg.profile_steps, device=self.ctx.device, out_dir=self.rank_dir, export_trace=cfg.profile_trace
+        )
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> Dict[str, Any]:
         """Train to ``train.steps``, evaluate, and return (rank 0: also write) the summary.
@@ -271,6 +328,11 @@ class Trainer:
         ``torch.cuda.synchronize`` on CUDA (so a step's time includes its GPU work, not only the
         host's launch time; the label check of the metrics syncs every step anyway). The summary
         gives median, p10, p90 and mean over the timed window (``train.timing_start``), rank 0's.
+
+        Profiling (``train.profile_start``): steps ``profile_start .. profile_start +
+        profile_steps - 1`` run under ``torch.profiler``; they are not timed (neither for the
+        statistics nor for the step-time guard), and rank 0's breakdown is the summary's
+        ``profile`` (every rank's in ``rank<r>/profile.json``).
         """
         cfg = self.cfg
         batches = iter(self.train_data(self.start_step))
@@ -286,8 +348,11 @@ class Trainer:
         self.model.train()
         if cuda:
             torch.cuda.synchronize(self.ctx.device)
+        profiler = self._step_profiler()
         wall0 = time.perf_counter()
         while step < cfg.steps:
+            if profiler is not None:
+                profiler.before_step(step + 1)
             t0 = time.perf_counter()
             try:
                 loss, logits, labels = self.pipeline.progress(batches)
@@ -302,13 +367,16 @@ class Trainer:
             self._show_plan_if_new(bar)
             if cuda:
                 torch.cuda.synchronize(self.ctx.device)
-            step_times.append(time.perf_counter() - t0)
-            timed_steps.append(step)
-            if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
-                self.loka.dispatcher.observe_step_time(step, 1e3 * step_times[-1])
+            seconds = time.perf_counter() - t0
+            if profiler is None or not profiler.after_step(step):  # a profiled step is slower: not timed
+                step_times.append(seconds)
+                timed_steps.append(step)
+                if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
+                    self.loka.dispatcher.observe_step_time(step, 1e3 * seconds)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
-                record["step_time_ms"] = 1e3 * sorted(step_times[-cfg.log_every:])[len(step_times[-cfg.log_every:]) // 2]
+                recent = sorted(step_times[-cfg.log_every:])  # empty when every step so far was profiled
+                record["step_time_ms"] = 1e3 * recent[len(recent) // 2] if recent else float("nan")
                 self._log(record)
                 self.train_metrics.reset()
                 if bar is not None:
@@ -320,6 +388,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
         train_seconds = time.perf_counter() - wall0
+        profile = profiler.finish() if profiler is not None else None  # stops a window the data cut short
         if bar is not None:
             bar.close()
         final_eval = self.evaluate()
@@ -349,6 +418,8 @@ class Trainer:
             "train_seconds": train_seconds,
             "peak_memory_gb": self._peak_memory_gb(),
             "autocast": cfg.autocast,
+            "sharding_group_size": cfg.sharding_group_size,
+            "sync_every": cfg.sync_every if cfg.sharding_group_size is not None else None,
             "train_ne": last_train.get("train/ne"),
             "train_auc": last_train.get("train/auc"),
             "eval_ne": final_eval.get("ne"),
@@ -358,16 +429,28 @@ class Trainer:
             "run_dir": self.run_dir,
             "loka": self._loka_summary(),
             "baseline": None if self.baseline is None else self.baseline.summary(),
+            "profile": None if profile is None else profile_summary(profile),
+            "probe_cost": self._probe_cost(timed_steps, step_times),
         }
         if self.ctx.is_main:
             write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary, default=str)
         return summary
+
+    def _probe_cost(self, steps: List[int], seconds: List[float]) -> Optional[Dict[str, Any]]:
+        """The Probe's extra time in this run, from its own step times (:mod:`loka_torchrec.probe.cost`)."""
+        if self.probe is None or not getattr(self.probe, "enabled", False):
+            return None
+        from loka_torchrec.probe.cost import probe_cost
+
+        return probe_cost({n: 1e3 * t for n, t in zip(steps, seconds)}, self.probe.config)
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
         # The pipeline rewrote the sharded modules' forward; give the model its own forward back
         # for evaluation (in-flight train batches are kept) and re-attach afterwards.
         self.pipeline.detach()
+        if self.cfg.sharding_group_size is not None and self.cfg.sync_every > 1:
+            self.model.sync()  # DMPCollection: every replica evaluates the same (averaged) tables
         self.model.eval()
         self.eval_metrics.reset()
         for batch in self.eval_data(0):
@@ -460,5 +543,8 @@ class Trainer:
             "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),
             "fallen_back": self.loka.dispatcher.fallen_back,
             "step_guard": self.loka.dispatcher.step_guard_reason,
+            # What the checks after planning saw (rank 0 records them): layer timings, guard verdicts.
+            "layer_checks": [e for e in self.loka.dispatcher.events if e.get("event") == "layer_check"],
+            "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
         }
 

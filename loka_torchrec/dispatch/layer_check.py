@@ -1,0 +1,211 @@
+"""The layer check: a planned FP8 layer must make the whole layer step faster, or it stays bf16.
+
+Per-GEMM evidence times one GEMM with its quantization, alone. A training step pays more: the
+layer's bookkeeping on the host, quantizing the weight after every optimizer step, the
+transposed operands of the backward, padding, and the kernel launches of all of it. At LRM sizes
+that difference decides the sign (on an H100 a ``LokaLinear`` forward + backward at
+8192x1024x1024 was 1.4 ms of host time for 0.2 ms of GPU work). So after the policy has chosen
+kernels per GEMM, every layer with an FP8 GEMM is timed as a training step sees it:
+
+* one forward and one backward of a scratch ``LokaLinear`` of the layer's size, with the planned
+  kernels, against the same layer with every GEMM in high precision (``nn.Linear``'s path);
+* at the layer's real row count, input dtype and autocast setting (the last forward's);
+* the weight is touched in place before each repetition, as an optimizer step would, so the FP8
+  weight operands are quantized in every repetition, as in training;
+* wall time with the device synchronized around each repetition (host overhead counts), the two
+  variants interleaved repetition by repetition so that drift hits both.
+
+The layer keeps its FP8 kernels only if the speedup's conservative bound (bf16's 25th percentile
+over FP8's 75th) reaches ``dispatch.min_speedup``; otherwise all three GEMMs go back to bf16, and
+the reason, with both times, is written into the plan. Layers of identical size and kernels are
+timed once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
+from loka_torchrec.evidence import BF16, GemmRole, Interval
+from loka_torchrec.fp8 import Fp8Format
+
+__all__ = ["LayerTiming", "time_layer_step", "check_plan_layers"]
+
+SOURCE = "policy/layer_check"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTiming:
+    """Forward + backward wall time (ms) of one layer size with FP8 kernels and in high precision."""
+
+    fp8_ms: Interval
+    bf16_ms: Interval
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_ms.value / self.fp8_ms.value if self.fp8_ms.value > 0 else float("inf")
+
+    @property
+    def speedup_low(self) -> float:
+        """Conservative speedup: bf16's lower bound over FP8's upper bound."""
+        return self.bf16_ms.low / self.fp8_ms.high if self.fp8_ms.high > 0 else float("inf")
+
+
+def _quartiles(times: List[float]) -> Interval:
+    times = sorted(times)
+    median = statistics.median(times)
+    if len(times) < 2:
+        return Interval(median, median, median, len(times), "iqr")
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return Interval(median, min(q[0], median), max(q[2], median), len(times), "iqr")
+
+
+def time_layer_step(
+    in_features: int,
+    out_features: int,
+    rows: int,
+    kernels: LayerKernels,
+    *,
+    bias: bool,
+    device: torch.device,
+    weight_dtype: torch.dtype,
+    input_dtype: torch.dtype,
+    autocast_dtype: Optional[torch.dtype],
+    grad_format: Fp8Format,
+    reps: int,
+    warmup: int = 3,
+    seed: int = 0,
+) -> LayerTiming:
+    """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer, FP8 vs bf16.
+
+    Args:
+        kernels: the planned kernels (at least one FP8 GEMM, or both variants are the same).
+        bias: whether the layer has a bias.
+        weight_dtype: the master weight's dtype (fp32 under autocast).
+        input_dtype: the dtype of the layer's input as it arrives.
+        autocast_dtype: the forward runs under ``torch.autocast`` with this dtype (``None``: off).
+        reps: timed repetitions per variant (interleaved); ``warmup`` untimed ones first.
+
+    Returns:
+        Median and inter-quartile range of both variants' wall time per repetition, in ms.
+    """
+    from loka_torchrec.dispatch.linear import LokaLinear  # linear imports the dispatch package
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    variants = {}
+    for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels())):
+        layer = LokaLinear(
+            in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
+            kernels=layer_kernels, grad_format=grad_format,
+        )
+        variants[name] = layer
+    x = torch.randn(rows, in_features, generator=gen, device=device, dtype=torch.float32).to(input_dtype)
+    x.requires_grad_(True)
+    out_dtype = autocast_dtype or input_dtype
+    dy = torch.randn(rows, out_features, generator=gen, device=device, dtype=torch.float32).to(out_dtype)
+    cuda = device.type == "cuda"
+
+    def one_step(layer) -> float:
+        with torch.no_grad():
+            layer.weight.mul_(1.0)  # what an optimizer step does to the cached FP8 weight: invalidates it
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        context = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with context:
+            y = layer(x)
+        y.backward(dy)
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        x.grad = None
+        layer.weight.grad = None
+        if layer.bias is not None:
+            layer.bias.grad = None
+        return elapsed
+
+    for _ in range(warmup):
+        for layer in variants.values():
+            one_step(layer)
+    times: Dict[str, List[float]] = {"fp8": [], "bf16": []}
+    for _ in range(reps):
+        for name, layer in variants.items():
+            times[name].append(one_step(layer))
+    return LayerTiming(_quartiles(times["fp8"]), _quartiles(times["bf16"]))
+
+
+def _timing_key(module, layer_plan: LayerPlan, rows: int) -> Tuple:
+    return (
+        module.in_features, module.out_features, rows, module.bias is not None, layer_plan.kernels,
+        module.weight.dtype, getattr(module, "last_input_dtype", None), getattr(module, "last_autocast_dtype", None),
+    )
+
+
+def check_plan_layers(
+    plan: DispatchPlan,
+    layers: Dict[str, torch.nn.Module],
+    *,
+    min_speedup: float,
+    reps: int,
+    grad_format: Fp8Format,
+) -> Tuple[DispatchPlan, List[dict]]:
+    """``plan`` with every FP8 layer that is not faster as a whole sent back to bf16.
+
+    Args:
+        plan: the policy's plan.
+        layers: FQN -> ``LokaLinear`` (their ``last_rows``, ``last_input_dtype`` and
+            ``last_autocast_dtype`` give the shape and precision to time at).
+        min_speedup: the gate on the layer's conservative speedup.
+        reps: timed repetitions per variant.
+
+    Returns:
+        ``(checked_plan, records)``: one record per checked layer with both times (ms), the
+        speedup and whether FP8 was kept.
+    """
+    cache: Dict[Tuple, LayerTiming] = {}
+    records: List[dict] = []
+    checked: Dict[str, LayerPlan] = {}
+    for name, layer_plan in plan.layers.items():
+        module = layers.get(name)
+        if module is None or layer_plan.kernels.all_high_precision:
+            checked[name] = layer_plan
+            continue
+        rows = max(int(getattr(module, "last_rows", 0) or 0), 1)
+        key = _timing_key(module, layer_plan, rows)
+        if key not in cache:
+            device = module.weight.device
+            input_dtype = getattr(module, "last_input_dtype", None) or module.weight.dtype
+            cache[key] = time_layer_step(
+                module.in_features, module.out_features, rows, layer_plan.kernels,
+                bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
+                input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
+                grad_format=grad_format, reps=reps,
+            )
+        timing = cache[key]
+        keep = timing.speedup_low >= min_speedup
+        records.append({
+            "layer": name, "rows": rows, "fp8_ms": timing.fp8_ms.value, "bf16_ms": timing.bf16_ms.value,
+            "speedup": timing.speedup, "speedup_low": timing.speedup_low, "kept_fp8": keep,
+        })  # fmt: skip
+        if keep:
+            checked[name] = layer_plan
+            continue
+        reason = (
+            f"layer check: fwd+bwd {timing.fp8_ms.value:.3f} ms with {layer_plan.kernels} vs "
+            f"{timing.bf16_ms.value:.3f} ms in bf16, {timing.speedup:.2f}x (lo {timing.speedup_low:.2f}x < {min_speedup})"
+        )
+        roles = {
+            role: RoleDecision(BF16, reason, SOURCE, None, decision.considered)
+            for role, decision in layer_plan.roles.items()
+        }
+        for role in GemmRole:
+            roles.setdefault(role, RoleDecision(BF16, reason, SOURCE))
+        checked[name] = dataclasses.replace(layer_plan, roles=roles)
+    return dataclasses.replace(plan, layers=checked), records

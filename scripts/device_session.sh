@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One device session on a 2-GPU machine (nvidia-h200-x2), in three calls of under 10 minutes:
+#
+#   bash scripts/device_session.sh comms    GPU tests of comms, guard and DMPCollection; then the
+#                                           comms step-time table, NVLink and sockets
+#   bash scripts/device_session.sh single   the single-GPU comparison: two streams of runs, one
+#                                           per GPU (recipes split between them), 2 seeds
+#   bash scripts/device_session.sh multi    2-rank runs: FP8 comms on/off over NVLink and over
+#                                           sockets, and LoKA under DMPCollection
+#
+# Run from the repository root with the packages installed (../shared/device/README.md):
+#     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
+# Results go to $OUT (at most 8 files come back; logs are packed into one tarball per stage).
+# Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100),
+# E2E_SEEDS (default 0,1), STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start
+# time in epoch seconds, default now; set CALL_T0 when the same call installs packages first).
+
+set -u -o pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/device-out}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+stage=${1:?usage: device_session.sh comms|single|multi}
+DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))
+left() { echo $(( DEADLINE - $(date +%s) )); }
+WORK=$(mktemp -d /tmp/loka-session.XXXXXX)
+STEPS=${E2E_STEPS:-300}
+WARMUP=${E2E_PROBE_WARMUP:-100}
+SEEDS=${E2E_SEEDS:-0,1}
+E2E=(--steps "$STEPS" --probe-warmup "$WARMUP" --profile-start $(( STEPS - 12 )) --profile-steps 5)
+
+# The project on the path as it is installed (kernels/ and recipes/ become subpackages).
+SITE=$WORK/site
+mkdir -p "$SITE"
+cp -r loka_torchrec "$SITE/"
+cp -r kernels "$SITE/loka_torchrec/kernels"
+cp -r recipes "$SITE/loka_torchrec/recipes"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c "import pytest" 2>/dev/null && ls .device/test-wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/test-wheels/*.whl > /dev/null 2>&1
+fi
+
+e2e() {  # e2e NAME LIMIT_S ARGS...: one benchmarks/e2e_compare.py invocation, its files in $OUT
+  local name=$1 limit=$2
+  shift 2
+  local cap=$(( $(left) - 15 ))
+  [ "$limit" -gt "$cap" ] && limit=$cap
+  echo "=== $name (limit ${limit}s): $*"
+  python3 -P benchmarks/e2e_compare.py --out "$OUT" --runs-dir "$WORK/runs-$name" --name "$name" \
+    --max-seconds $(( limit - 20 )) "${E2E[@]}" "$@" > "$WORK/$name.log" 2>&1
+  echo "=== $name: rc=$?"
+  tail -n 25 "$WORK/$name.log"
+}
+
+pack() {  # the runs' own files (plans, events, probe logs, summaries) and the logs, in one tarball
+  tar -czf "$OUT/$stage-logs.tar.gz" -C "$WORK" --exclude='site' . 2>/dev/null
+  ls -la "$OUT"
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv
+case $stage in
+  comms)
+    timeout 75 python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
+      tests/test_comms_kernel.py tests/test_step_guard.py tests/test_layer_check.py \
+      2>&1 | tail -n 30 | tee "$WORK/pytest-gpu.log"
+    # Where a LokaLinear step's host time goes, at a DHEN-large shape (cProfile + torch profiler).
+    prof=(benchmarks/profile_step.py --cases linear --shape 8192x2048x1024 --choices scaled_mm:rowwise,te:blockwise --reps 30)
+    {
+      echo "# ${prof[*]} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date -u '+%F %H:%M UTC')"
+      echo "# command: python3 -P ${prof[*]}   (scripts/device_session.sh comms)"
+      timeout 90 python3 -P "${prof[@]}" 2>&1
+    } > "$OUT/profile-linear.txt"
+    echo "=== profile_step: rc=$?"
+    COMMS_LIMIT_S=$(( ($(left) - 30) / 2 )) OUT="$OUT/comms" bash scripts/device_comms.sh > "$WORK/comms.log" 2>&1
+    tail -n 60 "$WORK/comms.log"
+    mv "$OUT/comms/nvlink/results.md" "$OUT/comms-nvlink.md" 2>/dev/null
+    mv "$OUT/comms/nvlink/results.json" "$OUT/comms-nvlink.json" 2>/dev/null
+    mv "$OUT/comms/sockets/results.md" "$OUT/comms-sockets.md" 2>/dev/null
+    mv "$OUT/comms/sockets/results.json" "$OUT/comms-sockets.json" 2>/dev/null
+    mv "$OUT/comms/comms-logs.txt" "$WORK/" 2>/dev/null
+    rm -rf "$OUT/comms"
+    ;;
+  single)
+    # Two independent streams, one per GPU, at the same time (32 host cores: the streams do not
+    # share a GPU; host-side contention is the only coupling).
+    limit=$(( $(left) - 20 ))
+    CUDA_VISIBLE_DEVICES=0 e2e e2e-gpu0 "$limit" --recipes dhen_large --seeds "$SEEDS" \
+      --runs bf16,loka,bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp \
+      --one-seed-runs bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp --run-timeout 150 &
+    CUDA_VISIBLE_DEVICES=1 e2e e2e-gpu1 "$limit" --recipes hstu_large,dlrm_large --seeds "$SEEDS" \
+      --runs bf16,loka,te,torchao_rowwise --one-seed-runs te,torchao_rowwise --run-timeout 150 &
+    wait
+    ;;
+  multi)
+    limit=$(( ($(left) - 30) / 2 ))
+    e2e e2e-2gpu-nvlink "$limit" --nproc 2 --recipes dhen_large --seeds 0 \
+      --runs bf16,loka,loka_comms_off,loka_dmpc --run-timeout 120
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 e2e e2e-2gpu-sockets "$(( $(left) - 60 ))" --nproc 2 \
+      --recipes dhen_large --seeds 0 --runs bf16,loka,loka_comms_off --run-timeout 120
+    # With what is left: the 2-rank DMPCollection test (replicas' tables agree after the syncs).
+    timeout $(( $(left) - 10 )) python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
+      tests/test_dmp_collection.py 2>&1 | tail -n 15 | tee "$WORK/pytest-dmp.log"
+    ;;
+  *)
+    echo "device_session.sh: unknown stage $stage (comms | single | multi)" >&2
+    exit 2
+    ;;
+esac
+pack

@@ -1,0 +1,62 @@
+"""The Probe's cost, measured from a run's own step times."""
+
+import pytest
+
+from loka_torchrec.probe.config import ProbeConfig
+from loka_torchrec.probe.cost import probe_cost
+
+
+def _times(config, steps, plain_before=10.0, plain_after=8.0, probe_extra=3.0, monitor_extra=1.0, plan_extra=500.0):
+    """Synthetic step times: plain steps, +probe_extra on warm-up probe steps, the plan step, monitoring steps."""
+    out = {}
+    plan = config.warmup_steps - 1
+    for s in range(1, steps + 1):
+        base = plain_before if s <= plan else plain_after
+        if s == plan:
+            out[s] = base + plan_extra
+        elif config.is_probe_step(s):
+            out[s] = base + (probe_extra if s < config.warmup_steps else monitor_extra)
+        else:
+            out[s] = base
+    return out
+
+
+def test_extras_are_measured_against_nearby_plain_steps():
+    config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=50)
+    times = _times(config, 300)
+    cost = probe_cost(times, config, horizon_steps=10_000)
+    # the step time drops from 10 to 8 ms at the plan: not Probe cost
+    assert cost["warmup_extra_ms"] == pytest.approx(3.0)
+    assert cost["monitoring_extra_ms"] == pytest.approx(1.0) and cost["monitoring_from"] == "monitoring steps"
+    assert cost["plan_extra_ms"] == pytest.approx(500.0, abs=2.0)
+    assert cost["plain_step_ms"] == pytest.approx(8.0)
+    warm = sum(1 for s in range(1, 100) if config.is_probe_step(s))
+    monitor = sum(1 for s in range(100, 301) if config.is_probe_step(s))
+    assert cost["warmup_probe_steps"] == warm and cost["monitoring_probe_steps"] == monitor
+    extra = warm * 3.0 + monitor * 1.0 + cost["plan_extra_ms"]
+    assert cost["extra_seconds"] == pytest.approx(extra / 1e3)
+    assert cost["measured_share"] == pytest.approx(extra / sum(times.values()))
+    # projection: warm-up probes + plan + (10000 - 100) // 50 + 1 monitoring steps over 10000 plain steps
+    projected = (warm * 3.0 + cost["plan_extra_ms"] + ((10_000 - 100) // 50 + 1) * 1.0) / (10_000 * 8.0)
+    assert cost["projected_share"] == pytest.approx(projected)
+
+
+def test_without_monitoring_steps_the_warmup_extra_stands_in():
+    config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=500)
+    times = _times(config, 300)
+    del times[100]  # the first monitoring step
+    cost = probe_cost(times, config, horizon_steps=100_000)
+    assert cost["monitoring_probe_steps"] == 0
+    assert cost["monitoring_extra_ms"] == pytest.approx(3.0) and "no monitoring step" in cost["monitoring_from"]
+    expected = (9 * 3.0 + cost["plan_extra_ms"] + ((100_000 - 100) // 500 + 1) * 3.0) / (100_000 * 8.0)
+    assert cost["projected_share"] == pytest.approx(expected)
+
+
+def test_only_a_window_of_steps_and_bad_arguments():
+    config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=500)
+    times = {s: t for s, t in _times(config, 300).items() if s > 150}  # the plan and warm-up not in the window
+    cost = probe_cost(times, config)
+    assert cost["warmup_probe_steps"] == 0 and cost["plan_extra_ms"] is None and cost["projected_share"] is None
+    assert cost["extra_seconds"] == 0.0
+    with pytest.raises(ValueError, match="horizon_steps"):
+        probe_cost(times, config, horizon_steps=0)
