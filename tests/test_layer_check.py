@@ -46,6 +46,17 @@ def test_time_layer_step_times_both_variants_on_cpu():
     assert timing.speedup_low == pytest.approx(timing.bf16_ms.low / timing.fp8_ms.high)
 
 
+def test_timing_leaves_the_global_random_stream_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    time_layer_step(
+        16, 8, 8, LayerKernels.uniform(FP8), bias=True, device=torch.device("cpu"), weight_dtype=torch.float32,
+        input_dtype=torch.float32, autocast_dtype=None, grad_format=Fp8Format.E4M3, reps=1, warmup=1,
+    )
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_time_layer_step_under_bf16_autocast():
     timing = time_layer_step(
         32, 16, 64, LayerKernels.uniform(FP8), bias=False, device=torch.device("cpu"), weight_dtype=torch.float32,

@@ -28,7 +28,10 @@ def launch(run_dir, *overrides, nproc=2, expect_ok=True, base=SMALL):
     """torchrun the real entry point with ``base`` (the small DLRM overrides by default) + ``overrides``."""
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "loka_torchrec.train", *base, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    # Not from the repository root: there `-m` would import the source tree's loka_torchrec, which
+    # lacks the kernels/recipes subpackages that an install (editable here, a copy on a GPU machine) maps in.
+    os.makedirs(run_dir, exist_ok=True)
+    proc = subprocess.run(cmd, cwd=str(run_dir), env=env, capture_output=True, text=True, timeout=420)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

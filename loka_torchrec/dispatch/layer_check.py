@@ -99,13 +99,16 @@ def time_layer_step(
     from loka_torchrec.dispatch.linear import LokaLinear  # linear imports the dispatch package
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    variants = {}
-    for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels())):
-        layer = LokaLinear(
-            in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
-            kernels=layer_kernels, grad_format=grad_format,
-        )
-        variants[name] = layer
+    # The scratch layers' initialization must not move the training's random streams (only rank 0
+    # runs the check; a dropout mask drawn later would otherwise depend on it).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        variants = {
+            name: LokaLinear(
+                in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
+                kernels=layer_kernels, grad_format=grad_format,
+            )
+            for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
+        }
     x = torch.randn(rows, in_features, generator=gen, device=device, dtype=torch.float32).to(input_dtype)
     x.requires_grad_(True)
     out_dtype = autocast_dtype or input_dtype
@@ -197,8 +200,9 @@ def check_plan_layers(
         if keep:
             checked[name] = layer_plan
             continue
+        k = layer_plan.kernels
         reason = (
-            f"layer check: fwd+bwd {timing.fp8_ms.value:.3f} ms with {layer_plan.kernels} vs "
+            f"layer check: fwd+bwd {timing.fp8_ms.value:.3f} ms with fwd={k.fwd}, dgrad={k.dgrad}, wgrad={k.wgrad} vs "
             f"{timing.bf16_ms.value:.3f} ms in bf16, {timing.speedup:.2f}x (lo {timing.speedup_low:.2f}x < {min_speedup})"
         )
         roles = {
