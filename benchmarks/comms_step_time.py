@@ -65,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--first-step", type=int, default=20, help="first timed step (earlier ones warm up)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--distinct-batches", type=int, default=8, help="pre-generated batches, cycled")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed steps, profile this many more per variant (torch.profiler, kernel categories; 0: off)",
+    )
     p.add_argument("--out", required=True, help="directory for results.json and results.md")
     args = p.parse_args(argv)
     unknown = [c for c in args.comms.split(",") if c not in VARIANTS]
@@ -166,6 +172,7 @@ def run_variant(variant: str, args, device, plan, batches) -> Dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     timed = sorted(times[args.first_step :])
+    profile = _profile_steps(variant, args, device, pipeline, data) if args.profile_steps > 0 else None
     bound = list(getattr(sharders[0], "bound_registries", {}).values())  # loka: the per-module codecs
     registry = bound[0] if bound else sharders[0].qcomm_codecs_registry
     codec = registry.get("POOLED_EMBEDDINGS_ALL_TO_ALL") if registry else None
@@ -177,12 +184,32 @@ def run_variant(variant: str, args, device, plan, batches) -> Dict:
         "steps_timed": len(timed),
         "codec_forward": repr(codec.forward) if codec else None,
         "codec_backward": repr(codec.backward) if codec else None,
+        "profile": profile,
     }
     del pipeline, optimizer, dmp
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
+
+def _profile_steps(variant: str, args, device, pipeline, data) -> Dict:
+    """``--profile-steps`` more steps under ``torch.profiler``: where this variant's step goes.
+
+    The kernels are sorted into the training job's categories
+    (:mod:`loka_torchrec.training.profiling`): NCCL time is ``comms``, this project's codec
+    kernels are ``fp8_quantize``; wall time minus busy time is the host's share.
+    """
+    from loka_torchrec.training.profiling import StepProfiler, profile_summary
+
+    out_dir = os.path.join(args.out, f"profile-{variant}-rank{dist.get_rank()}")
+    os.makedirs(out_dir, exist_ok=True)
+    profiler = StepProfiler(1, args.profile_steps, device=device, out_dir=out_dir)
+    for step in range(1, args.profile_steps + 1):
+        profiler.before_step(step)
+        pipeline.progress(data)
+        profiler.after_step(step)
+    report = profiler.finish()
+    return profile_summary(report) if report else None
 
 
 def _markdown(meta: Dict, results: List[Dict]) -> str:
@@ -207,6 +234,27 @@ def _markdown(meta: Dict, results: List[Dict]) -> str:
         lines.append(
             f"| {r['variant']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['p90_ms']:.2f} | {vs_bf16} | {vs_fp32} |"
         )
+    profiled = [r for r in results if r.get("profile")]
+    if profiled:
+        lines += [
+            "",
+            "Where a step goes (`--profile-steps`, rank 0, after the timed steps): ms per step of wall time, of kernels "
+            "(CUDA kernels; CPU operators on a CPU), and the kernels' shares (comms = NCCL; codec = this project's encode/decode kernels; "
+            "other = everything else, TorchRec's own casts included); idle = wall time with no kernel running.",
+            "",
+            "| comms | wall ms | kernel ms | comms % | codec % | embedding % | GEMM % | other % | idle % |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in profiled:
+            p = r["profile"]
+            sh = {k: 100 * v for k, v in p["shares"].items()}
+            gemm = sh.get("gemm_bf16", 0) + sh.get("gemm_fp8", 0)
+            other = 100 - sh.get("comms", 0) - sh.get("fp8_quantize", 0) - sh.get("embedding", 0) - gemm
+            lines.append(
+                f"| {r['variant']} | {p['wall_ms_per_step']:.2f} | {p['kernel_ms_per_step']:.2f} | {sh.get('comms', 0):.1f} "
+                f"| {sh.get('fp8_quantize', 0):.1f} | {sh.get('embedding', 0):.1f} | {gemm:.1f} | {other:.1f} "
+                f"| {100 * p['idle_share']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,8 @@
 #
 # Writes $OUT/nvlink/results.{json,md}, $OUT/sockets/results.{json,md} and $OUT/comms-logs.txt.
 # Settings (environment): OUT (default ./device-out), COMMS_STEPS (default 60),
-# COMMS_VARIANTS (default: every variant), COMMS_LIMIT_S (seconds per regime, default 240).
+# COMMS_VARIANTS (default: every variant), COMMS_LIMIT_S (seconds per regime, default 240),
+# COMMS_PROFILE_STEPS (profiled steps per variant after the timed ones, default 5; 0: off).
 
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +28,7 @@ cp -r recipes "$SITE/loka_torchrec/recipes"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 VARIANTS=${COMMS_VARIANTS:-fp32,torchrec_bf16,torchrec_fp8,loka_fp8,loka_fp8_bwd_fp8}
-ARGS=(--steps "${COMMS_STEPS:-60}" --comms "$VARIANTS")
+ARGS=(--steps "${COMMS_STEPS:-60}" --comms "$VARIANTS" --profile-steps "${COMMS_PROFILE_STEPS:-5}")
 LIMIT=${COMMS_LIMIT_S:-240}
 LOG="$OUT/comms-logs.txt"
 
