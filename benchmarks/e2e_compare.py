@@ -178,6 +178,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --nproc_per_node)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--autocast", default="bf16", choices=("bf16", "none"), help="train.autocast of every run")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="train.deterministic=true in every run: NE differences between runs are then the runs', not GPU atomics'",
+    )
     p.add_argument("--torchao-auto-filter", action="store_true", help="torchao's own size filter (tensorwise, rowwise runs)")
     p.add_argument(
         "--profile-start",
@@ -240,7 +245,7 @@ def _torchrun() -> List[str]:
 def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int) -> List[str]:
     """The Hydra overrides of one run, in order (later ones win)."""
     overrides = [f"model={recipe}", f"device={args.device}", *spec.overrides]
-    if spec.name == "loka":
+    if spec.name.startswith("loka"):  # every LoKA run plans at the end of the same warm-up
         overrides.append(f"loka.probe.warmup_steps={args.probe_warmup}")
     if args.torchao_auto_filter and spec.name in ("torchao_tensorwise", "torchao_rowwise"):
         overrides.append("baseline.auto_filter=true")
@@ -250,6 +255,7 @@ def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: in
         f"train.timing_start={args.window_start}",
         f"train.autocast={args.autocast}",
         "train.progress_bar=false",
+        *(["train.deterministic=true"] if args.deterministic else []),
         *profile_overrides(args),
         *args.override,
     ]
@@ -519,7 +525,8 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"- driver: `{meta['command']}`",
         f"- each run: {a['steps']} steps, step time over steps {a['window_start'] + 1}..{a['steps']} "
         f"(median and p10/p90 of per-step times, CUDA-synchronized each step; rank 0), "
-        f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}",
+        f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}"
+        + (", deterministic kernels (`train.deterministic=true`)" if a.get("deterministic") else ""),
         "- NE vs bf16: relative difference of the final eval NE to the `bf16` run of the same seed, "
         "mean over seeds [min, max]; NE spread: the run's own seed-to-seed std, % of its mean NE",
         "- torchao runs eagerly (no `torch.compile`, which torchao recommends for speed)",
@@ -671,6 +678,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for k in (
                 "recipes", "runs", "seeds", "steps", "window_start", "probe_warmup", "nproc", "device", "autocast",
                 "torchao_auto_filter", "override", "run_timeout", "max_seconds", "profile_start", "profile_steps",
+                "one_seed_runs", "deterministic",
             )
         },
         "runs_dir": runs_dir,

@@ -33,7 +33,7 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     from loka_torchrec.training.data import make_data
     from loka_torchrec.training.distributed import init_distributed
     from loka_torchrec.training.sharding import check_sharding_group_size
-    from loka_torchrec.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka
+    from loka_torchrec.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka, enable_determinism
 
     # Validate everything the user typed before any process-group work.
     model_cfg = dict(cfg.get("model") or {})
@@ -47,6 +47,8 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's deprecation notices
+    if train_cfg.deterministic:
+        enable_determinism()  # before anything touches CUDA
     ctx = init_distributed(str(cfg.get("device", "auto")))
     try:
         # What needs the world size and device: checked before the data and the model are built.

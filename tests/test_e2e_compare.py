@@ -50,7 +50,12 @@ def test_one_seed_runs_come_last_with_the_first_seed():
         (3, "dhen_large", "bf16"), (3, "dhen_large", "loka"), (4, "dhen_large", "bf16"), (4, "dhen_large", "loka"),
         (3, "dhen_large", "te"), (3, "dhen_large", "torchao_rowwise"),
     ]
-    # LoKA variants other than "loka" also move the timed window past the plan and the guard
+    # LoKA variants other than "loka" plan at the same warm-up, and move the timed window past the plan and the guard
+    for name in ("loka_comms_off", "loka_dmpc"):
+        assert f"loka.probe.warmup_steps={args.probe_warmup}" in e2e.run_overrides(args, "dhen_large", e2e.RUNS[name], 3)
+    assert "train.deterministic=true" not in e2e.run_overrides(args, "dhen_large", e2e.RUNS["bf16"], 3)
+    det = e2e.parse_args(["--runs", "bf16", "--deterministic"])
+    assert "train.deterministic=true" in e2e.run_overrides(det, "hstu_large", e2e.RUNS["bf16"], 0)
     assert e2e.parse_args(["--runs", "bf16,loka_dmpc", "--steps", "300", "--probe-warmup", "100"]).window_start == 180
     with pytest.raises(SystemExit):
         e2e.parse_args(["--runs", "bf16", "--one-seed-runs", "nosuchrun"])

@@ -162,3 +162,17 @@ def test_bad_input_is_one_clear_error(tmp_path, override, message):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+
+
+def test_deterministic_runs_repeat_exactly_and_say_so(tmp_path):
+    """train.deterministic=true: the flag reaches the summary, and two runs of one seed agree exactly."""
+    summaries = []
+    for name in ("a", "b"):
+        launch(tmp_path / name, "train.steps=12", "train.deterministic=true", "loka.enabled=false", nproc=1)
+        summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+    assert all(s["deterministic"] is True for s in summaries)
+    assert summaries[0]["eval_ne"] == summaries[1]["eval_ne"] and summaries[0]["train_ne"] == summaries[1]["train_ne"]
+    with pytest.raises(ValueError, match="train.deterministic"):
+        from loka_torchrec.training.trainer import TrainConfig
+
+        TrainConfig(deterministic="yes")

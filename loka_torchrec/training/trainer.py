@@ -60,6 +60,19 @@ def step_time_stats(seconds: List[float]) -> Dict[str, float]:
     }
 
 
+def enable_determinism() -> None:
+    """Deterministic kernels from here on (``train.deterministic``): call before CUDA is used.
+
+    Sets ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS needs it for reproducible GEMMs; an existing value is
+    kept), ``torch.use_deterministic_algorithms(True, warn_only=True)`` and cuDNN's deterministic
+    mode without autotuning.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Loop settings (``train.*`` in the recipes).
@@ -91,6 +104,11 @@ class TrainConfig:
             pipeline does it after the backward, where the fused optimizer has already updated
             the tables. Above 1 the replicas drift apart in between (less all-reduce traffic), and
             they are synced before each evaluation.
+        deterministic: run PyTorch's deterministic kernels where they exist
+            (:func:`enable_determinism`), so that two runs of one configuration and seed give the
+            same numbers and an NE difference between two configurations is theirs, not the
+            GPU's atomics. Kernels without a deterministic version (some of FBGEMM's) warn once and
+            run as usual. Slower; for comparisons, not for production.
     """
 
     steps: int = 200
@@ -108,8 +126,11 @@ class TrainConfig:
     profile_trace: bool = False
     sharding_group_size: Optional[int] = None
     sync_every: int = 1
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"train.deterministic: expected true or false, got {self.deterministic!r}")
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
         for name, allow_null in (("sharding_group_size", True), ("sync_every", False)):
@@ -420,6 +441,7 @@ class Trainer:
             "autocast": cfg.autocast,
             "sharding_group_size": cfg.sharding_group_size,
             "sync_every": cfg.sync_every if cfg.sharding_group_size is not None else None,
+            "deterministic": cfg.deterministic,
             "train_ne": last_train.get("train/ne"),
             "train_auc": last_train.get("train/auc"),
             "eval_ne": final_eval.get("ne"),
