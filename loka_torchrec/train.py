@@ -120,12 +120,26 @@ def format_summary(s: Dict[str, Any]) -> str:
     if loka:
         lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
         lines.append(f"dispatch plan    {loka['plan_file']}")
+        checks = loka.get("layer_checks") or []
+        if checks:
+            kept = sum(1 for c in checks if c.get("kept_fp8"))
+            lines.append(
+                f"layer check      kept FP8 in {kept} of {len(checks)} planned FP8 layers (fwd+bwd timed against bf16; "
+                f"events in dispatch_events.jsonl)"
+            )
         if loka.get("step_guard"):
             lines.append(f"step-time guard   {loka['step_guard']}")
         if loka.get("fallen_back"):
             lines.append(f"safety valve     in bf16 now: {sorted(loka['fallen_back'])}")
     elif not baseline:
         lines.append("LoKA             off (loka.enabled=false)")
+    cost = s.get("probe_cost")
+    if cost and cost.get("measured_share") is not None:
+        projected = cost.get("projected_share")
+        lines.append(
+            f"probe cost       {cost['extra_seconds']:.1f} s extra, {100 * cost['measured_share']:.2f}% of this run's step time"
+            + (f"; projected {100 * projected:.2f}% of a {cost['horizon_steps']:,}-step run" if projected is not None else "")
+        )
     profile = s.get("profile")
     if profile:
         shares = profile["shares"]

@@ -60,3 +60,21 @@ def test_only_a_window_of_steps_and_bad_arguments():
     assert cost["extra_seconds"] == 0.0
     with pytest.raises(ValueError, match="horizon_steps"):
         probe_cost(times, config, horizon_steps=0)
+
+
+def test_the_printed_run_summary_reports_the_layer_check_and_the_probe_cost():
+    from loka_torchrec.train import format_summary
+
+    config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=50)
+    summary = {
+        "steps": 300, "steps_this_run": 300, "world_size": 1, "device": "cpu", "median_step_ms": 8.0, "qps": 1.0,
+        "train_ne": 0.9, "train_auc": 0.7, "eval_ne": 0.9, "eval_auc": 0.7, "run_dir": "/tmp/run",
+        "loka": {"converted_layers": 2, "plan": "0/6 GEMMs in FP8", "plan_file": "/tmp/run/dispatch_plan.json",
+                 "layer_checks": [{"kept_fp8": False}, {"kept_fp8": True}]},
+        "probe_cost": probe_cost(_times(config, 300), config, horizon_steps=10_000),
+    }  # fmt: skip
+    text = format_summary(summary)
+    assert "kept FP8 in 1 of 2 planned FP8 layers" in text
+    cost = summary["probe_cost"]
+    assert f"{100 * cost['measured_share']:.2f}% of this run's step time" in text
+    assert f"projected {100 * cost['projected_share']:.2f}% of a 10,000-step run" in text
