@@ -142,14 +142,18 @@ def case_probe(device: torch.device, batch: int) -> None:
             probe.on_step_end(step[0])
             step[0] += 1
 
+        def time_and_profile(label: str) -> None:
+            """One probe step timed, then one more under each profiler (every step probes: every=1)."""
+            _sync(device)
+            t0 = time.perf_counter()
+            probed_step()
+            _sync(device)
+            print(f"=== probe: {label} {1e3 * (time.perf_counter() - t0):.2f} ms (plain {plain_host:.2f})")
+            print(profile_tables(probed_step, device, 1))
+            print(python_profile(probed_step, 1))
+
         probed_step()  # first probe step: allocation
-        _sync(device)
-        t0 = time.perf_counter()
-        probed_step()
-        _sync(device)
-        print(f"=== probe: warm-up probe step {1e3 * (time.perf_counter() - t0):.2f} ms (plain {plain_host:.2f})")
-        print(profile_tables(probed_step, device, 1))
-        print(python_profile(probed_step, 1))
+        time_and_profile("warm-up probe step")
         while step[0] < cfg.warmup_steps - 1:
             probed_step()
         _sync(device)
@@ -163,13 +167,7 @@ def case_probe(device: torch.device, batch: int) -> None:
         stream = io.StringIO()
         pstats.Stats(prof, stream=stream).sort_stats("cumulative").print_stats(40)
         print(stream.getvalue())
-        _sync(device)
-        t0 = time.perf_counter()
-        probed_step()
-        _sync(device)
-        print(f"=== probe: monitoring probe step {1e3 * (time.perf_counter() - t0):.2f} ms")
-        print(profile_tables(probed_step, device, 1))
-        print(python_profile(probed_step, 1))
+        time_and_profile("monitoring probe step")
         probe.close()
 
 

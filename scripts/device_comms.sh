@@ -21,11 +21,7 @@ mkdir -p "$OUT"
 unset TRITON_INTERPRET
 
 # The project on the path as it is installed (kernels/ and recipes/ become subpackages).
-SITE=$(mktemp -d /tmp/loka-comms.XXXXXX)
-cp -r loka_torchrec "$SITE/"
-cp -r kernels "$SITE/loka_torchrec/kernels"
-cp -r recipes "$SITE/loka_torchrec/recipes"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+source "$ROOT/scripts/installed_layout.sh" && use_installed_layout "$ROOT"
 
 VARIANTS=${COMMS_VARIANTS:-fp32,torchrec_bf16,torchrec_fp8,loka_fp8,loka_fp8_bwd_fp8}
 ARGS=(--steps "${COMMS_STEPS:-60}" --comms "$VARIANTS" --profile-steps "${COMMS_PROFILE_STEPS:-5}")

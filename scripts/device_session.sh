@@ -34,12 +34,7 @@ SEEDS=${E2E_SEEDS:-0,1}
 E2E=(--steps "$STEPS" --probe-warmup "$WARMUP" --profile-start $(( STEPS - 12 )) --profile-steps 5)
 
 # The project on the path as it is installed (kernels/ and recipes/ become subpackages).
-SITE=$WORK/site
-mkdir -p "$SITE"
-cp -r loka_torchrec "$SITE/"
-cp -r kernels "$SITE/loka_torchrec/kernels"
-cp -r recipes "$SITE/loka_torchrec/recipes"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+source "$ROOT/scripts/installed_layout.sh" && use_installed_layout "$ROOT" "$WORK/site"
 if ! python3 -c "import pytest" 2>/dev/null && ls .device/test-wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/test-wheels/*.whl > /dev/null 2>&1
 fi

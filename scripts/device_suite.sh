@@ -60,12 +60,7 @@ run_step() {
 
 # The project on the path as it is installed (kernels/ and recipes/ become loka_torchrec
 # subpackages, as pyproject.toml maps them), without pip and without touching the image's torch.
-SITE=$WORK/site
-mkdir -p "$SITE"
-cp -r loka_torchrec "$SITE/"
-cp -r kernels "$SITE/loka_torchrec/kernels"
-[ -d recipes ] && cp -r recipes "$SITE/loka_torchrec/recipes"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+source "$ROOT/scripts/installed_layout.sh" && use_installed_layout "$ROOT" "$WORK/site"
 # -P: the repository root is not put on sys.path, so `loka_torchrec` is the copy above.
 PYP="$PY -P"
 

@@ -13,11 +13,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3}
 if ! $PY -P -c "import loka_torchrec.recipes, loka_torchrec.kernels" 2>/dev/null; then
-  SITE=$(mktemp -d /tmp/loka-e2e-site.XXXXXX)
-  cp -r loka_torchrec "$SITE/"
-  cp -r kernels "$SITE/loka_torchrec/kernels"
-  cp -r recipes "$SITE/loka_torchrec/recipes"
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  echo "e2e_compare.sh: using the project from $SITE" >&2
+  source "$ROOT/scripts/installed_layout.sh" && use_installed_layout "$ROOT"
+  echo "e2e_compare.sh: using the project from $LOKA_SITE" >&2
 fi
 exec $PY -P benchmarks/e2e_compare.py --out "${OUT:-$ROOT/benchmarks/results}" "$@"

@@ -148,13 +148,7 @@ def build_dhen_model(options: Dict[str, Any], spec: DataSpec, device: torch.devi
     """
     from loka_torchrec.models.dhen import DhenConfig, build_dhen
 
-    tables = spec.pooled_tables
-    if not tables:
-        raise ValueError(
-            "model.name: the dhen model needs pooled sparse features (data.kind=pooled; select them with "
-            "`data=pooled`), but the data has only sequence features"
-        )
-    return _build_from_config(options, spec, device, tables, "dhen", "pooled", DhenConfig, build_dhen)
+    return _build_from_config(options, spec, device, "dhen", "pooled", "pooled sparse features", DhenConfig, build_dhen)
 
 
 @register_model("hstu")
@@ -167,17 +161,19 @@ def build_hstu_model(options: Dict[str, Any], spec: DataSpec, device: torch.devi
     """
     from loka_torchrec.models.hstu import HstuConfig, build_hstu
 
-    tables = spec.sequence_tables
+    return _build_from_config(options, spec, device, "hstu", "sequence", "sequence data", HstuConfig, build_hstu)
+
+
+def _build_from_config(options, spec, device, model: str, kind: str, needs: str, config_cls, build) -> nn.Module:
+    """``build(config_cls.from_options(options), spec, device)`` for a model of ``kind`` data
+    (``"pooled"`` or ``"sequence"``; ``needs`` says it in words), errors named after the recipe's fields."""
+    tables = spec.pooled_tables if kind == "pooled" else spec.sequence_tables
     if not tables:
+        other = "sequence" if kind == "pooled" else "pooled"
         raise ValueError(
-            "model.name: the hstu model needs sequence data (data.kind=sequence; select it with "
-            "`data=sequence`), but the data has only pooled features"
+            f"model.name: the {model} model needs {needs} (data.kind={kind}; select it with `data={kind}`), "
+            f"but the data has only {other} features"
         )
-    return _build_from_config(options, spec, device, tables, "hstu", "sequence", HstuConfig, build_hstu)
-
-
-def _build_from_config(options, spec, device, tables, model: str, kind: str, config_cls, build) -> nn.Module:
-    """``build(config_cls.from_options(options), spec, device)``, errors named after the recipe's fields."""
     _model_embedding_dim(options, tables, model, kind)
     try:
         return build(config_cls.from_options(options), spec, device)
