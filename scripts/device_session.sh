@@ -22,7 +22,7 @@ OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 # 8 intra-op threads per job: two jobs with PyTorch's default (one thread per host core each) ran
-# about 14x slower per step on the 32-core host (benchmarks/results/H200/README.md).
+# about 13x slower per step on the 32-core host (benchmarks/results/H200/README.md).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 stage=${1:?usage: device_session.sh comms|single|multi}
 DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))

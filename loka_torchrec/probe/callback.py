@@ -599,8 +599,7 @@ class ProbeCallback:
         The summary (every layer's history, evidence and events) is rewritten at the report that
         planned, at one with a new safety-valve event, at the first report at least
         ``_SUMMARY_INTERVAL_S`` seconds after the last rewrite, and at :meth:`close`: serializing it
-        costs far more than the report itself (about 0.2 s for 26 layers on one CPU core), so a
-        time bound keeps its share of a run below 0.1% whatever the cadence.
+        costs far more than the report itself, so a time bound caps that cost whatever the cadence.
         """
         t0 = time.perf_counter()
         for name in self._layers:

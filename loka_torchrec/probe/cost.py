@@ -10,7 +10,8 @@ that changes the step time (FP8 on) does not count as Probe cost. From those ext
   warm-up's probe steps, the planning step and the monitoring steps (one every
   ``every_after``), over ``horizon_steps`` plain steps of the steady state (the median plain step
   after the plan). When the run saw no monitoring step, the warm-up probe step's extra stands in
-  for it (an upper bound: monitoring collects less) and ``monitoring_from`` says so.
+  for it (a stand-in, not a bound: monitoring collects less, but one measured run had a slower
+  monitoring step than its warm-up steps) and ``monitoring_from`` says so.
 
 Step numbers are the training loop's (from 1); step ``s`` is a probe step when
 ``ProbeConfig.is_probe_step(s)``, and the plan is made at the end of step ``warmup_steps - 1``.
