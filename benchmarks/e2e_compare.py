@@ -31,6 +31,8 @@ Runs (``--runs``):
 * ``te``: Transformer Engine ``Linear`` + FP8 autocast, ``DelayedScaling`` (TE's default on
   H100); ``te_tensorwise``: the same with ``Float8CurrentScaling`` (not in the default list);
 * ``loka``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward;
+* ``loka_graphs``: ``loka`` with its FP8 layers replaying CUDA graphs
+  (``loka.dispatch.cuda_graphs=true``; CUDA only; not in the default list);
 * ``loka_comms_off``: the same with TorchRec's fp32 embedding comms (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list).
@@ -136,6 +138,12 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec(
             "loka",
             ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8"),
+        ),
+        RunSpec(
+            "loka_graphs",
+            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
+             "loka.dispatch.cuda_graphs=true"),
+            cuda_only=True,
         ),
         # Multi-rank comparisons: LoKA with TorchRec's own fp32 embedding comms, and LoKA under
         # DMPCollection (2D sparse parallelism: sharding groups of one rank, replicated).

@@ -5,7 +5,7 @@ the end), the device time per call (CUDA events), the torch profiler's top opera
 and self device time, and ``cProfile``'s top Python functions. Cases:
 
 * ``linear``: ``LokaLinear`` forward + backward (``torch.autograd.grad``) per backend and recipe,
-  against ``nn.Linear``, at one LRM shape;
+  against ``nn.Linear``, at one LRM shape (``--graphs``: each also replaying CUDA graphs);
 * ``probe``: a warm-up probe step, a monitoring probe step and the evaluation at the end of the
   warm-up window, on a small MLP of LRM-sized linears.
 
@@ -78,7 +78,7 @@ def python_profile(fn: Callable[[], object], reps: int, rows: int = 25) -> str:
     return stream.getvalue()
 
 
-def case_linear(device: torch.device, shape, choices: List[str], reps: int) -> None:
+def case_linear(device: torch.device, shape, choices: List[str], reps: int, graphs: bool = False) -> None:
     from loka_torchrec.dispatch.backends import get_backend
     from loka_torchrec.dispatch.layer_kernels import LayerKernels
     from loka_torchrec.dispatch.linear import LokaLinear
@@ -107,10 +107,16 @@ def case_linear(device: torch.device, shape, choices: List[str], reps: int) -> N
             print(f"--- {text}: unavailable: {get_backend(choice.backend).availability(device).reason}")
             continue
         layers.append((text, LokaLinear.from_linear(linear, kernels=LayerKernels.uniform(choice))))
+        if graphs and device.type == "cuda":
+            layers.append((f"{text}+graphs", LokaLinear.from_linear(linear, kernels=LayerKernels.uniform(choice), cuda_graphs=True)))
     for label, layer in layers:
         run = step(layer)
         host, dev = host_and_device_ms(run, device, reps)
-        print(f"\n=== linear {m}x{k}x{n} {label}: host {host:.3f} ms/step, device {dev:.3f} ms/step", flush=True)
+        graph_note = ""
+        if getattr(layer, "cuda_graphs", False):
+            g = layer.graphs
+            graph_note = f" (CUDA graphs: {g.captures} captured, {g.replays} replays" + (f", failed: {g.failure}" if g.failure else "") + ")"
+        print(f"\n=== linear {m}x{k}x{n} {label}: host {host:.3f} ms/step, device {dev:.3f} ms/step{graph_note}", flush=True)
         if label != "nn.Linear":
             print(profile_tables(run, device, 10))
             print(python_profile(run, 20))
@@ -179,12 +185,13 @@ def main(argv=None) -> int:
     parser.add_argument("--choices", default="scaled_mm:rowwise,scaled_mm:tensorwise,te:tensorwise,triton:rowwise")
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--graphs", action="store_true", help="linear: also each choice with CUDA graphs (cuda_graphs=True)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     shape = tuple(int(v) for v in args.shape.split("x"))
     cases = set(args.cases.split(","))
     if "linear" in cases:
-        case_linear(device, shape, [c for c in args.choices.split(",") if c], args.reps)
+        case_linear(device, shape, [c for c in args.choices.split(",") if c], args.reps, graphs=args.graphs)
     if "probe" in cases:
         case_probe(device, args.batch)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session on a 2-GPU machine (nvidia-h200-x2), in three calls of under 10 minutes:
+# One device session in calls of under 10 minutes each. On a 2-GPU machine (nvidia-h200-x2):
 #
 #   bash scripts/device_session.sh comms    GPU tests of comms, guard and DMPCollection; then the
 #                                           comms step-time table, NVLink and sockets
@@ -7,6 +7,15 @@
 #                                           per GPU (recipes split between them), 2 seeds
 #   bash scripts/device_session.sh multi    2-rank runs: FP8 comms on/off over NVLink and over
 #                                           sockets, and LoKA under DMPCollection
+#
+# On one GPU (nvidia-h100-x1 or nvidia-h200), one stream of runs at a time:
+#
+#   bash scripts/device_session.sh graphs     GPU tests of the CUDA-graphed FP8 layer and the layer
+#                                             check; LokaLinear host/device time eager vs graphed at
+#                                             two shapes; DLRM large: bf16, loka, loka_graphs, 2 seeds
+#   bash scripts/device_session.sh dhen       DHEN large, the whole table: bf16, loka, loka_graphs
+#                                             (2 seeds), bf16_nomods, TE, torchao x3 (seed 0)
+#   bash scripts/device_session.sh hstu       HSTU large: bf16, loka (2 seeds), TE, torchao rowwise
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
 #     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
@@ -100,8 +109,34 @@ case $stage in
     timeout $(( $(left) - 10 )) python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
       tests/test_dmp_collection.py 2>&1 | tail -n 15 | tee "$WORK/pytest-dmp.log"
     ;;
+  graphs)
+    timeout 150 python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
+      tests/test_layer_graph.py tests/test_layer_check.py 2>&1 | tail -n 30 | tee "$WORK/pytest-gpu.log"
+    cp "$WORK/pytest-gpu.log" "$OUT/gpu-tests-graphs.txt"
+    # Host and device time of one FP8 layer step, eager against CUDA-graphed, at a DHEN-large
+    # shape and at a larger one.
+    for shape in 8192x2048x1024 32768x2048x2048; do
+      prof=(benchmarks/profile_step.py --cases linear --shape "$shape" --choices scaled_mm:rowwise,triton:rowwise --graphs --reps 30)
+      {
+        echo "# ${prof[*]} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date -u '+%F %H:%M UTC')"
+        echo "# command: python3 -P ${prof[*]}   (scripts/device_session.sh graphs)"
+        timeout 75 python3 -P "${prof[@]}" 2>&1 | grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility\|^ *\[0m\|^ *\[33m\|^WARNING:root:$\|^ *$"
+      } > "$OUT/profile-linear-graphs-$shape.txt"
+      grep "^=== linear" "$OUT/profile-linear-graphs-$shape.txt"
+    done
+    e2e e2e-dlrm-1gpu "$(( $(left) - 20 ))" --recipes dlrm_large --seeds "$SEEDS" --runs bf16,loka,loka_graphs --run-timeout 100
+    ;;
+  dhen)
+    e2e e2e-dhen-1gpu "$(( $(left) - 20 ))" --recipes dhen_large --seeds "$SEEDS" \
+      --runs bf16,loka,loka_graphs,bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp \
+      --one-seed-runs bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp --run-timeout 100
+    ;;
+  hstu)
+    e2e e2e-hstu-1gpu "$(( $(left) - 20 ))" --recipes hstu_large --seeds "$SEEDS" \
+      --runs bf16,loka,te,torchao_rowwise --one-seed-runs te,torchao_rowwise --run-timeout 100
+    ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | dhen | hstu)" >&2
     exit 2
     ;;
 esac

@@ -52,6 +52,12 @@ class DispatchConfig:
             whole (forward + backward, host overhead included) against bf16 with this many
             repetitions, and goes back to bf16 unless it reaches ``min_speedup``
             (:mod:`loka_torchrec.dispatch.layer_check`); 0 turns the check off.
+        cuda_graphs: on CUDA, every layer with an FP8 GEMM captures its forward and backward as
+            CUDA graphs per recurring input shape and replays them
+            (:mod:`loka_torchrec.dispatch.layer_graph`); the layer check then times the replays.
+            Off by default: a replayed layer's output is the graph's buffer, valid until the
+            layer's next training forward, so a loop that keeps a layer output across steps
+            (not a copy of it) must leave this off.
     """
 
     mode: str = "policy"
@@ -71,6 +77,7 @@ class DispatchConfig:
     step_guard_window: int = 50
     step_guard_tolerance: float = 0.02
     layer_check_reps: int = 10
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -108,6 +115,8 @@ class DispatchConfig:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"dispatch.cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
 

@@ -82,6 +82,7 @@ def time_layer_step(
     reps: int,
     warmup: int = 3,
     seed: int = 0,
+    cuda_graphs: bool = False,
 ) -> LayerTiming:
     """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer, FP8 vs bf16.
 
@@ -92,6 +93,8 @@ def time_layer_step(
         input_dtype: the dtype of the layer's input as it arrives.
         autocast_dtype: the forward runs under ``torch.autocast`` with this dtype (``None``: off).
         reps: timed repetitions per variant (interleaved); ``warmup`` untimed ones first.
+        cuda_graphs: the FP8 variant replays CUDA graphs, as the layer will in training (the
+            warm-up repetitions include its capture).
 
     Returns:
         Median and inter-quartile range of both variants' wall time per repetition, in ms.
@@ -105,7 +108,7 @@ def time_layer_step(
         variants = {
             name: LokaLinear(
                 in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
-                kernels=layer_kernels, grad_format=grad_format,
+                kernels=layer_kernels, grad_format=grad_format, cuda_graphs=cuda_graphs and name == "fp8",
             )
             for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
         }
@@ -148,6 +151,7 @@ def _timing_key(module, layer_plan: LayerPlan, rows: int) -> Tuple:
     return (
         module.in_features, module.out_features, rows, module.bias is not None, layer_plan.kernels,
         module.weight.dtype, getattr(module, "last_input_dtype", None), getattr(module, "last_autocast_dtype", None),
+        bool(getattr(module, "cuda_graphs", False)),
     )
 
 
@@ -164,7 +168,8 @@ def check_plan_layers(
     Args:
         plan: the policy's plan.
         layers: FQN -> ``LokaLinear`` (their ``last_rows``, ``last_input_dtype`` and
-            ``last_autocast_dtype`` give the shape and precision to time at).
+            ``last_autocast_dtype`` give the shape and precision to time at, ``cuda_graphs``
+            whether the FP8 variant replays graphs).
         min_speedup: the gate on the layer's conservative speedup.
         reps: timed repetitions per variant.
 
@@ -189,7 +194,7 @@ def check_plan_layers(
                 module.in_features, module.out_features, rows, layer_plan.kernels,
                 bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
                 input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
-                grad_format=grad_format, reps=reps,
+                grad_format=grad_format, reps=reps, cuda_graphs=bool(getattr(module, "cuda_graphs", False)),
             )
         timing = cache[key]
         keep = timing.speedup_low >= min_speedup

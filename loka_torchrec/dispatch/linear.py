@@ -62,6 +62,7 @@ from torch import nn
 
 from loka_torchrec.dispatch.backends import GemmBackend, get_backend
 from loka_torchrec.dispatch.backends.high_precision import high_precision_dtype
+from loka_torchrec.dispatch.layer_graph import LayerGraphs, capturing
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec, recipe_for
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
@@ -189,6 +190,10 @@ class LokaLinear(nn.Linear):
         in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
         kernels: backend and recipe per GEMM role; default all high precision.
         grad_format: FP8 format of the gradient operand (``A`` of ``dgrad`` and ``wgrad``).
+        cuda_graphs: on CUDA, capture the forward and backward of a layer with an FP8 GEMM as CUDA
+            graphs, one pair per recurring input shape, and replay them (cuts the host time of the
+            layer's dozen launches to two; see :mod:`loka_torchrec.dispatch.layer_graph` for what
+            a caller must know). Ignored on the CPU and for all-high-precision layers.
 
     Attributes:
         last_rows: rows (product of the leading dims) of the last forward input; a Python int.
@@ -200,6 +205,9 @@ class LokaLinear(nn.Linear):
             host syncs.
         fallback_reasons: role -> why the planned kernel could not run at some shape (that GEMM
             ran in high precision instead). Cleared by :meth:`set_kernels`.
+        cuda_graphs: as the argument; may be changed at any time.
+        graphs: the captured shapes (:class:`~loka_torchrec.dispatch.layer_graph.LayerGraphs`:
+            ``captures``, ``replays``, ``failure``); cleared by :meth:`set_kernels`.
 
     Example::
 
@@ -229,11 +237,18 @@ class LokaLinear(nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_dispatch(kernels, grad_format, self.weight.device)
+        self._init_dispatch(kernels, grad_format, self.weight.device, cuda_graphs)
 
-    def _init_dispatch(self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device) -> None:
+    def _init_dispatch(
+        self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, cuda_graphs: bool = False
+    ) -> None:
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected a bool, got {type(cuda_graphs).__name__}")
+        self.cuda_graphs = cuda_graphs
+        self._graphs = LayerGraphs()
         # Non-persistent: a run-time counter, not model state; checkpoints stay nn.Linear's.
         self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._pending_scales: list = []  # dequantization scales not yet counted (see nonfinite_events)
@@ -255,6 +270,7 @@ class LokaLinear(nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
+        cuda_graphs: bool = False,
     ) -> "LokaLinear":
         """A ``LokaLinear`` that shares ``linear``'s ``Parameter`` objects (no copy).
 
@@ -263,7 +279,7 @@ class LokaLinear(nn.Linear):
 
         Args:
             linear: the layer to wrap (any ``nn.Linear``, on any device).
-            kernels, grad_format: as for the constructor.
+            kernels, grad_format, cuda_graphs: as for the constructor.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
@@ -279,6 +295,7 @@ class LokaLinear(nn.Linear):
             dtype=weight.dtype,
             kernels=kernels,
             grad_format=grad_format,
+            cuda_graphs=cuda_graphs,
         )
         new.weight = weight
         new.bias = linear.bias
@@ -305,6 +322,10 @@ class LokaLinear(nn.Linear):
     @kernels.setter
     def kernels(self, kernels: LayerKernels) -> None:
         self.set_kernels(kernels)
+
+    @property
+    def graphs(self) -> LayerGraphs:
+        return self._graphs
 
     @property
     def grad_format(self) -> Fp8Format:
@@ -340,6 +361,7 @@ class LokaLinear(nn.Linear):
         self._kernels = kernels
         self._resolved = resolved
         self._shape_plans.clear()
+        self._graphs.clear()
         self.fallback_reasons = {}
 
     def _plan(self, rows: int, device: torch.device) -> _ShapePlan:
@@ -432,7 +454,11 @@ class LokaLinear(nn.Linear):
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         if needs_grad:
-            y2d = _LokaLinearFunction.apply(x2d, weight, bias, self, plan)
+            y2d = None
+            if self.cuda_graphs and x2d.is_cuda and not plan.all_high_precision and not _is_compiling():
+                y2d = self._graphs.run(self, plan, x2d, weight, bias)  # None: run eagerly this time
+            if y2d is None:
+                y2d = _LokaLinearFunction.apply(x2d, weight, bias, self, plan)
         else:  # no autograd bookkeeping, nothing kept for a backward
             y2d = self._forward_gemm(x2d, weight.detach(), None if bias is None else bias.detach(), plan.fwd)[0]
         return y2d.reshape(*lead, self.out_features)
@@ -441,7 +467,7 @@ class LokaLinear(nn.Linear):
         k = self._kernels
         return (
             f"{super().extra_repr()}, fwd={k.fwd}, dgrad={k.dgrad}, wgrad={k.wgrad}, "
-            f"grad_format={self._grad_format.value}"
+            f"grad_format={self._grad_format.value}" + (", cuda_graphs=True" if self.cuda_graphs else "")
         )
 
     # ----------------------------------------------------------------------------- GEMMs
@@ -452,8 +478,8 @@ class LokaLinear(nn.Linear):
         """``op``, its scales queued for :attr:`nonfinite_events` (a NaN scale marks inf/NaN in its group)."""
         scale = getattr(op, "dequant_scale", None)
         if isinstance(scale, torch.Tensor):
-            if _is_compiling():
-                self._nonfinite_count.add_(torch.isnan(scale).sum())  # traced: no Python-side queue
+            if _is_compiling() or capturing():
+                self._nonfinite_count.add_(torch.isnan(scale).sum())  # traced or captured: no Python-side queue
             else:
                 self._pending_scales.append(scale.detach())
                 if len(self._pending_scales) >= _PENDING_SCALES:
@@ -500,8 +526,10 @@ class LokaLinear(nn.Linear):
 
     def _weight_cache_for(self, weight: torch.Tensor) -> Optional[Dict[Tuple, Any]]:
         """The operand cache valid for ``weight``'s current values, or ``None`` when not caching."""
-        if _is_compiling() or weight.is_inference():
-            return None  # traced graphs must not depend on Python-side state; inference tensors have no version
+        if _is_compiling() or capturing() or weight.is_inference():
+            # Traced and captured graphs must not depend on Python-side state (a CUDA graph re-reads
+            # the weight on every replay); inference tensors have no version.
+            return None
         try:
             stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
         except RuntimeError:  # a tensor without storage of its own (e.g. a wrapper subclass): no caching
