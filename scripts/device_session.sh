@@ -13,8 +13,9 @@
 #   bash scripts/device_session.sh graphs     GPU tests of the CUDA-graphed FP8 layer and the layer
 #                                             check; LokaLinear host/device time eager vs graphed at
 #                                             two shapes; DLRM large: bf16, loka, loka_graphs, 2 seeds
-#   bash scripts/device_session.sh dhen       DHEN large, the whole table: bf16, loka, loka_graphs
-#                                             (2 seeds), bf16_nomods, TE, torchao x3 (seed 0)
+#   bash scripts/device_session.sh dhen       DHEN large: bf16, loka, loka_graphs, 2 seeds
+#   bash scripts/device_session.sh baselines  DHEN large, seed 0: bf16 (again, for the ratios),
+#                                             bf16_nomods, TE, torchao x3
 #   bash scripts/device_session.sh hstu       HSTU large: bf16, loka (2 seeds), TE, torchao rowwise
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
@@ -127,16 +128,18 @@ case $stage in
     e2e e2e-dlrm-1gpu "$(( $(left) - 20 ))" --recipes dlrm_large --seeds "$SEEDS" --runs bf16,loka,loka_graphs --run-timeout 100
     ;;
   dhen)
-    e2e e2e-dhen-1gpu "$(( $(left) - 20 ))" --recipes dhen_large --seeds "$SEEDS" \
-      --runs bf16,loka,loka_graphs,bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp \
-      --one-seed-runs bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp --run-timeout 100
+    e2e e2e-dhen-1gpu "$(( $(left) - 20 ))" --recipes dhen_large --seeds "$SEEDS" --runs bf16,loka,loka_graphs --run-timeout 100
+    ;;
+  baselines)
+    e2e e2e-dhen-1gpu-baselines "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 \
+      --runs bf16,bf16_nomods,te,torchao_rowwise,torchao_tensorwise,torchao_rowwise_with_gw_hp --run-timeout 100
     ;;
   hstu)
     e2e e2e-hstu-1gpu "$(( $(left) - 20 ))" --recipes hstu_large --seeds "$SEEDS" \
       --runs bf16,loka,te,torchao_rowwise --one-seed-runs te,torchao_rowwise --run-timeout 100
     ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | dhen | hstu)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | dhen | baselines | hstu)" >&2
     exit 2
     ;;
 esac
