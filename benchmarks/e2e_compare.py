@@ -381,6 +381,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "layer_checks": loka.get("layer_checks") or [],
             "step_guard_verdicts": loka.get("step_guard_verdicts") or [],
             "step_guard": loka.get("step_guard"),
+            "cuda_graphs": loka.get("cuda_graphs"),
         }
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
@@ -500,8 +501,8 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         "cadence (the warm-up probe steps stand in for monitoring steps the run did not reach).",
         "",
         "| recipe | run | seed | FP8 GEMMs at the end | layer check kept / checked | guard: bf16 -> plan ms | "
-        "probe steps extra ms (warm-up, plan) | probe share of this run | projected share, 100k steps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "probe steps extra ms (warm-up, plan) | probe share of this run | projected share, 100k steps | CUDA graphs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         d = r["dispatch"]
@@ -518,9 +519,20 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         lines.append(
             f"| {r['recipe']} | {r['run']} | {r['seed']} | {d.get('fp8_gemms')}/{d.get('gemms')} | {kept} / {len(checks)} | {guard} "
             f"| {_fmt(cost.get('warmup_extra_ms'), '.1f')}, {_fmt(cost.get('plan_extra_ms'), '.0f')} "
-            f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% |"
+            f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% "
+            f"| {_graphs_cell(d.get('cuda_graphs'))} |"
         )
     return lines + [""]
+
+
+def _graphs_cell(graphs: Optional[Dict[str, Any]]) -> str:
+    """``captured/layers layers, N replays`` (and why capturing failed), or ``off``."""
+    if not graphs:
+        return "off"
+    cell = f"{graphs['captured_layers']}/{graphs['layers']} layers, {graphs['replays']} replays"
+    if graphs.get("failures"):
+        cell += "; failed: " + "; ".join(f.replace("|", "/")[:120] for f in graphs["failures"])
+    return cell
 
 
 def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[Dict[str, Any]]) -> str:

@@ -127,6 +127,13 @@ def format_summary(s: Dict[str, Any]) -> str:
                 f"layer check      kept FP8 in {kept} of {len(checks)} planned FP8 layers (fwd+bwd timed against bf16; "
                 f"events in dispatch_events.jsonl)"
             )
+        graphs = loka.get("cuda_graphs")
+        if graphs:
+            lines.append(
+                f"CUDA graphs      {graphs['captured_layers']} of {graphs['layers']} layers captured "
+                f"({graphs['captures']} captures, {graphs['replays']} replays)"
+                + (f"; failed: {'; '.join(graphs['failures'])}" if graphs["failures"] else "")
+            )
         if loka.get("step_guard"):
             lines.append(f"step-time guard   {loka['step_guard']}")
         if loka.get("fallen_back"):

@@ -12,8 +12,10 @@
 #
 #   bash scripts/device_session.sh graphs     GPU tests of the CUDA-graphed FP8 layer and the layer
 #                                             check; LokaLinear host/device time eager vs graphed at
-#                                             two shapes; DLRM large: bf16, loka, loka_graphs, 2 seeds
-#   bash scripts/device_session.sh dhen       DHEN large: bf16, loka, loka_graphs, 2 seeds
+#                                             two shapes; DHEN large: bf16, loka, loka_graphs, 2 seeds
+#   bash scripts/device_session.sh dlrm       DLRM large: bf16, loka, loka_graphs, 2 seeds
+#   bash scripts/device_session.sh graphs_check  the CUDA-graph GPU tests; DHEN large with every GEMM
+#                                             forced to FP8, eager and graphed (E2E_STEPS=150)
 #   bash scripts/device_session.sh baselines  DHEN large, seed 0: bf16 (again, for the ratios),
 #                                             bf16_nomods, TE, torchao x3
 #   bash scripts/device_session.sh hstu       HSTU large: bf16, loka (2 seeds), TE, torchao rowwise
@@ -111,9 +113,11 @@ case $stage in
       tests/test_dmp_collection.py 2>&1 | tail -n 15 | tee "$WORK/pytest-dmp.log"
     ;;
   graphs)
+    # The whole pytest output (a failed capture's logged traceback included) comes back.
     timeout 150 python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
-      tests/test_layer_graph.py tests/test_layer_check.py 2>&1 | tail -n 30 | tee "$WORK/pytest-gpu.log"
-    cp "$WORK/pytest-gpu.log" "$OUT/gpu-tests-graphs.txt"
+      tests/test_layer_graph.py tests/test_layer_check.py > "$WORK/pytest-gpu.log" 2>&1
+    grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-graphs.txt"
+    tail -n 15 "$WORK/pytest-gpu.log"
     # Host and device time of one FP8 layer step, eager against CUDA-graphed, at a DHEN-large
     # shape and at a larger one.
     for shape in 8192x2048x1024 32768x2048x2048; do
@@ -121,14 +125,26 @@ case $stage in
       {
         echo "# ${prof[*]} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date -u '+%F %H:%M UTC')"
         echo "# command: python3 -P ${prof[*]}   (scripts/device_session.sh graphs)"
-        timeout 75 python3 -P "${prof[@]}" 2>&1 | grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility\|^ *\[0m\|^ *\[33m\|^WARNING:root:$\|^ *$"
+        timeout 60 python3 -P "${prof[@]}" 2>&1 | grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility\|^ *\[0m\|^ *\[33m\|^WARNING:root:$\|^ *$"
       } > "$OUT/profile-linear-graphs-$shape.txt"
       grep "^=== linear" "$OUT/profile-linear-graphs-$shape.txt"
     done
-    e2e e2e-dlrm-1gpu "$(( $(left) - 20 ))" --recipes dlrm_large --seeds "$SEEDS" --runs bf16,loka,loka_graphs --run-timeout 100
-    ;;
-  dhen)
     e2e e2e-dhen-1gpu "$(( $(left) - 20 ))" --recipes dhen_large --seeds "$SEEDS" --runs bf16,loka,loka_graphs --run-timeout 100
+    ;;
+  graphs_check)
+    # The CUDA-graph GPU tests, then DHEN large with every GEMM forced to FP8 (no layer check, no
+    # step-time guard), eager against graphed: do the captures hold in a real DMP job, and what do
+    # they change there. Shorter runs (E2E_STEPS, default here 150).
+    timeout 100 python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
+      tests/test_layer_graph.py > "$WORK/pytest-gpu.log" 2>&1
+    grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-graphs.txt"
+    tail -n 5 "$WORK/pytest-gpu.log"
+    e2e e2e-dhen-forced-fp8 "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 --runs loka,loka_graphs --run-timeout 90 \
+      --override loka.dispatch.mode=all:scaled_mm:rowwise --override loka.dispatch.layer_check_reps=0 \
+      --override loka.dispatch.step_guard_window=0
+    ;;
+  dlrm)
+    e2e e2e-dlrm-1gpu "$(( $(left) - 20 ))" --recipes dlrm_large --seeds "$SEEDS" --runs bf16,loka,loka_graphs --run-timeout 100
     ;;
   baselines)
     e2e e2e-dhen-1gpu-baselines "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 \
@@ -139,7 +155,7 @@ case $stage in
       --runs bf16,loka,te,torchao_rowwise --one-seed-runs te,torchao_rowwise --run-timeout 100
     ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | dhen | baselines | hstu)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu)" >&2
     exit 2
     ;;
 esac

@@ -164,3 +164,12 @@ def test_profile_flags_and_where_the_step_goes_section():
     assert row == "| dhen_large | loka | 0 | 40.00 | 30.00 | 40.0 (30.0 + 10.0) | 5.0 | 20.0 | 15.0 | 20.0 | 25.0 | 1.250x (1.176x) |"
     without = dict(record, profile=None)
     assert "Where the step goes" not in e2e.to_markdown(meta, e2e.aggregate([without], ["dhen_large"], ["loka"]), [without])
+
+
+def test_graphs_cell_says_what_was_captured_and_why_not():
+    e2e = _driver()
+    assert e2e._graphs_cell(None) == "off"
+    ok = {"layers": 7, "captured_layers": 5, "captures": 5, "replays": 900, "failures": []}
+    assert e2e._graphs_cell(ok) == "5/7 layers, 900 replays"
+    failed = dict(ok, captured_layers=0, replays=0, failures=["RuntimeError: a | b"])
+    assert e2e._graphs_cell(failed) == "0/7 layers, 0 replays; failed: RuntimeError: a / b"

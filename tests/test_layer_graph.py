@@ -67,6 +67,26 @@ def test_copies_and_pickles_carry_the_switch_but_no_graphs():
         assert len(clone.graphs) == 0 and clone.graphs.captures == 0
 
 
+def test_capture_leaves_alias_the_parameters_with_accumulators_of_their_own():
+    from loka_torchrec.dispatch.layer_graph import _leaves
+
+    layer = torch.nn.Linear(4, 3)
+    static_x = torch.zeros(2, 4)
+    x, w, b = _leaves(static_x, True, layer.weight, layer.bias)
+    assert all(t.is_leaf and t.requires_grad for t in (x, w, b))
+    assert w is not layer.weight and w.data_ptr() == layer.weight.data_ptr() and b.data_ptr() == layer.bias.data_ptr()
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an optimizer's in-place update is seen through the alias
+    torch.testing.assert_close(w, layer.weight.detach())
+    static_x.copy_(torch.ones(2, 4))
+    (torch.nn.functional.linear(x, w, b).sum()).backward()
+    assert layer.weight.grad is None and w.grad is not None  # the parameter's own .grad is untouched
+    torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(2, 4))
+    frozen = torch.nn.Linear(4, 3, bias=False).requires_grad_(False)
+    x, w, b = _leaves(static_x, False, frozen.weight, None)
+    assert not x.requires_grad and not w.requires_grad and b is None
+
+
 # ------------------------------------------------------------------------------------------ GPU
 def _twins(in_f=256, out_f=128, bias=True, kernels=ROWWISE):
     torch.manual_seed(0)
@@ -74,6 +94,10 @@ def _twins(in_f=256, out_f=128, bias=True, kernels=ROWWISE):
     graphed = copy.deepcopy(eager)
     graphed.cuda_graphs = True
     return eager, graphed
+
+
+def _graphed_ok(layer):
+    assert layer.graphs.failure is None, f"capture failed: {layer.graphs.failure}"
 
 
 def _assert_same(a, b, what):
@@ -106,9 +130,9 @@ def test_graphed_steps_equal_eager_steps_across_weight_updates(bias, set_to_none
             _assert_same(eager.bias.grad, graphed.bias.grad, f"step {step} grad bias")
         opt_e.step(), opt_g.step()  # in-place weight updates: the graph must re-quantize the weight
         opt_e.zero_grad(set_to_none=set_to_none), opt_g.zero_grad(set_to_none=set_to_none)
+    assert graphed.graphs.failure is None
     assert graphed.graphs.captures == 1
     assert graphed.graphs.replays == steps - 1  # the first call at a shape runs eagerly
-    assert graphed.graphs.failure is None
 
 
 @pytest.mark.gpu
@@ -119,6 +143,7 @@ def test_gradients_accumulate_over_two_backwards():
     for x in xs:  # no zero_grad in between: .grad must be the sum, not the last graph buffer
         eager(x).float().square().sum().backward()
         graphed(x).float().square().sum().backward()
+    _graphed_ok(graphed)
     assert graphed.graphs.replays == 3
     _assert_same(eager.weight.grad, graphed.weight.grad, "accumulated grad weight")
     assert graphed.weight.grad.data_ptr() not in {
@@ -135,6 +160,7 @@ def test_second_forward_before_backward_runs_eagerly():
         for _ in range(2):
             layer(x1).sum().backward()
         layer.zero_grad()
+    _graphed_ok(graphed)
     replays = graphed.graphs.replays
     ye = eager(x1) * 2 + eager(x2)
     yg = graphed(x1) * 2 + graphed(x2)  # the layer used twice before one backward
@@ -159,6 +185,7 @@ def test_nonfinite_inputs_are_counted_in_the_graph():
     x = torch.randn(512, 256, device="cuda").to(torch.bfloat16)
     for _ in range(3):
         graphed(x).sum().backward()
+    _graphed_ok(graphed)
     before = int(graphed.nonfinite_events)
     bad = x.clone()
     bad[3, 5] = float("inf")
@@ -166,6 +193,33 @@ def test_nonfinite_inputs_are_counted_in_the_graph():
     assert graphed.graphs.replays >= 2
     assert torch.isnan(y[3]).all() and not torch.isnan(y[4]).any()
     assert int(graphed.nonfinite_events) > before
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_random_ops_working():
+    # A synchronization inside the capture invalidates it: the layer must stay eager, and the
+    # device's default generator must still serve eager random ops afterwards.
+    from loka_torchrec.dispatch import layer_graph
+
+    _, graphed = _twins()
+
+    def unsafe_step(layer, plan, x2d):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.randn(4, device="cuda")  # an RNG op inside the capture
+            torch.cuda.synchronize()  # not permitted while capturing
+        raise AssertionError("the capture above should have failed")
+
+    graphed.graphs._new_step = unsafe_step
+    x = torch.randn(512, 256, device="cuda").to(torch.bfloat16)
+    for _ in range(3):
+        graphed(x).sum().backward()
+    assert graphed.graphs.failure is not None and "should have failed" not in graphed.graphs.failure
+    assert graphed.graphs.captures == 0 and graphed.graphs.replays == 0
+    assert torch.isfinite(torch.randn(1000, device="cuda")).all()  # raised before the reset
+    torch.nn.init.kaiming_uniform_(torch.empty(64, 64, device="cuda"))
+    layer_graph.release_generator(torch.device("cuda"))  # harmless when nothing failed
+    assert torch.rand(8, device="cuda").max() < 1
 
 
 @pytest.mark.gpu

@@ -102,46 +102,46 @@ def _eval_loss(dmp, eval_data) -> float:
     return float(total[0] / total[1])
 
 
-def _rank_main(rank: int, model_name: str, store: str, out_dir: str) -> None:
+def _rank_main(rank: int, model_name: str, preset: str, store: str, out_dir: str) -> None:
+    """One rank of one training job (one model, one mods preset), as the training job runs it:
+    one DistributedModelParallel per process."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
     try:
-        results = {}
-        for preset in ("none", "all"):
-            spec, train_data, eval_data = _data(model_name, rank)
-            model, tables, report = _build(model_name, spec, preset)
-            dmp, optimizer = _shard(_ClickLoss(model), tables)
-            before = _eval_loss(dmp, eval_data)
-            pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"), execute_all_batches=True)
-            batches = iter(train_data)
-            train_losses = []
-            while True:
-                try:
-                    loss, _ = pipeline.progress(batches)  # the pipeline returns the output part
-                except StopIteration:
-                    break
-                train_losses.append(loss.item())
-            pipeline.detach()  # restore the sharded modules' own forward for evaluation
-            after = _eval_loss(dmp, eval_data)
-            # DDP keeps the dense weights identical on every rank: compare a checksum.
-            checksum = torch.tensor(
-                [sum(float(p.detach().double().sum()) for n, p in dmp.named_parameters() if "embedding" not in n)],
-                dtype=torch.float64,
-            )
-            gathered = [torch.zeros_like(checksum) for _ in range(WORLD_SIZE)]
-            dist.all_gather(gathered, checksum)
-            results[preset] = {
-                "before": before,
-                "after": after,
-                "train_losses": train_losses,
-                "checksums": [float(c) for c in gathered],
-                "mods": report.to_dict()["mods"],
-                "sharding": sorted({type(m).__name__ for m in dmp.modules() if "Sharded" in type(m).__name__}),
-            }
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+        spec, train_data, eval_data = _data(model_name, rank)
+        model, tables, report = _build(model_name, spec, preset)
+        dmp, optimizer = _shard(_ClickLoss(model), tables)
+        before = _eval_loss(dmp, eval_data)
+        pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"), execute_all_batches=True)
+        batches = iter(train_data)
+        train_losses = []
+        while True:
+            try:
+                loss, _ = pipeline.progress(batches)  # the pipeline returns the output part
+            except StopIteration:
+                break
+            train_losses.append(loss.item())
+        pipeline.detach()  # restore the sharded modules' own forward for evaluation
+        after = _eval_loss(dmp, eval_data)
+        # DDP keeps the dense weights identical on every rank: compare a checksum.
+        checksum = torch.tensor(
+            [sum(float(p.detach().double().sum()) for n, p in dmp.named_parameters() if "embedding" not in n)],
+            dtype=torch.float64,
+        )
+        gathered = [torch.zeros_like(checksum) for _ in range(WORLD_SIZE)]
+        dist.all_gather(gathered, checksum)
+        result = {
+            "before": before,
+            "after": after,
+            "train_losses": train_losses,
+            "checksums": [float(c) for c in gathered],
+            "mods": report.to_dict()["mods"],
+            "sharding": sorted({type(m).__name__ for m in dmp.modules() if "Sharded" in type(m).__name__}),
+        }
+        with open(os.path.join(out_dir, f"rank{rank}-{preset}.json"), "w") as f:
+            json.dump(result, f)
     finally:
         dist.destroy_process_group()
 
@@ -149,8 +149,13 @@ def _rank_main(rank: int, model_name: str, store: str, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["dhen", "hstu"])
 def test_trains_under_two_rank_dmp_with_and_without_mods(model_name, tmp_path):
-    mp.spawn(_rank_main, args=(model_name, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    for preset in ("none", "all"):
+        store = str(tmp_path / f"store-{preset}")
+        mp.spawn(_rank_main, args=(model_name, preset, store, str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    ranks = [
+        {preset: json.loads((tmp_path / f"rank{r}-{preset}.json").read_text()) for preset in ("none", "all")}
+        for r in range(WORLD_SIZE)
+    ]
     sharded = "ShardedEmbeddingBagCollection" if model_name == "dhen" else "ShardedEmbeddingCollection"
     for preset in ("none", "all"):
         result = ranks[0][preset]

@@ -119,9 +119,19 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
     extra = [f"model={model}", f"loka.mods.preset={mods}", f"loka.dispatch.mode={dispatch}"]
     if probe:  # a short warm-up so that the probe's evidence reaches the dispatcher within the run
         extra += ["loka.probe.enabled=true", "loka.probe.warmup_steps=10", "loka.probe.every=5"]
+    graphs = dispatch.startswith("all:")  # the CUDA-graph switch: on the CPU every layer stays eager
+    if graphs:
+        extra.append("loka.dispatch.cuda_graphs=true")
     proc = launch(run_dir, *extra, base=FAST_RECIPE)
     assert "loka-torchrec run summary" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
+    if graphs:
+        counters = summary["loka"]["cuda_graphs"]
+        assert counters["layers"] == summary["loka"]["converted_layers"] > 0
+        assert counters["captured_layers"] == counters["captures"] == counters["replays"] == 0
+        assert counters["failures"] == [] and "CUDA graphs      0 of" in proc.stdout
+    else:
+        assert summary["loka"]["cuda_graphs"] is None
     assert summary["steps"] == 30 and summary["world_size"] == 2
     assert summary["eval_ne"] < 1.0
     assert summary["loka"]["fp8_gemms"] > 0

@@ -12,7 +12,8 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, specialised to on
 1. After an input shape has been seen ``capture_after`` times in training (forward with autograd
    on), the layer's ``_LokaLinearFunction`` runs ``warmup`` times on a side stream (so Triton
    compiles and cuBLAS allocates its workspace outside the capture), then its forward is captured
-   into one graph and ``torch.autograd.grad`` of it into another. Inside a capture the layer
+   into one graph and ``torch.autograd.grad`` of it into another, both through detached aliases
+   of the input buffer and the parameters (same memory, gradient accumulators of their own). Inside a capture the layer
    quantizes its weight on every replay (no Python-side cache: the optimizer updates the weight
    in place, the graph reads it where it lies) and counts non-finite scales on the device.
 2. A call copies ``x`` into the static input, replays the forward graph and returns the static
@@ -30,7 +31,10 @@ Contract (what a caller must know):
   changes every step never capture.
 * Eval and ``torch.no_grad`` calls, ``torch.compile`` tracing and CPU tensors always run eagerly.
 * A capture that fails (a backend that cannot be captured) is logged once with its reason and the
-  layer stays eager (see ``LayerGraphs.failure``).
+  layer stays eager (see ``LayerGraphs.failure``). PyTorch leaves the device's default random
+  generator marked as capturing after a failed capture (every later random op on that device
+  would then raise "Offset increment outside graph capture"); the layer captures one trivial
+  graph afterwards to hand the generator back (:func:`release_generator`).
 """
 
 from __future__ import annotations
@@ -42,14 +46,34 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["LayerGraphs", "capturing"]
+__all__ = ["LayerGraphs", "capturing", "release_generator"]
 
 logger = logging.getLogger(__name__)
+_traceback_logged = False  # the first failed capture in a process is logged with its traceback
 
 
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def release_generator(device: torch.device) -> None:
+    """Hand ``device``'s default CUDA generator back to eager use after a failed capture.
+
+    A capture marks the generators it registers as capturing and unmarks them only when it ends
+    cleanly; one that raises leaves the mark, and every later random op on the device fails. A
+    capture of one trivial kernel sets and clears the mark again. Harmless when nothing failed.
+    """
+    try:
+        scratch = torch.zeros(1, device=device)
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                scratch.add_(1)
+            del graph
+    except Exception as exc:  # the device itself is in error: nothing more to do here
+        logger.warning("could not reset the CUDA generator of %s after a failed capture: %s", device, exc)
 
 
 class _CapturedStep:
@@ -60,23 +84,27 @@ class _CapturedStep:
 
         device = x2d.device
         weight, bias = layer.weight, layer.bias
-        self.static_x = torch.zeros(x2d.shape, dtype=x2d.dtype, device=device).requires_grad_(x2d.requires_grad)
-        self.inputs = (self.static_x, weight, bias)
-        wanted = [t for t in self.inputs if t is not None and t.requires_grad]
         self.param_stamp = _stamp(weight, bias)
+        self.static_x = torch.zeros(x2d.shape, dtype=x2d.dtype, device=device)
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                y = _LokaLinearFunction.apply(self.static_x, weight, bias, layer, plan)
-                torch.autograd.grad(y, wanted, grad_outputs=torch.zeros_like(y))
+                inputs = _leaves(self.static_x, x2d.requires_grad, weight, bias)
+                y = _LokaLinearFunction.apply(*inputs, layer, plan)
+                torch.autograd.grad(y, [t for t in inputs if t is not None and t.requires_grad], torch.zeros_like(y))
+            del inputs, y
         torch.cuda.current_stream(device).wait_stream(side)
 
+        # Fresh leaves for the capture: their gradient accumulators are made inside the forward
+        # capture, on the capture stream (see _leaves).
+        self.inputs = _leaves(self.static_x, x2d.requires_grad, weight, bias)
+        wanted = [t for t in self.inputs if t is not None and t.requires_grad]
         pool = torch.cuda.graph_pool_handle()
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_graph, pool=pool):
-            self.static_y = _LokaLinearFunction.apply(self.static_x, weight, bias, layer, plan)
+            self.static_y = _LokaLinearFunction.apply(*self.inputs, layer, plan)
         self.static_dy = torch.zeros_like(self.static_y)
         with torch.cuda.graph(self.bwd_graph, pool=pool):
             grads = torch.autograd.grad(self.static_y, wanted, grad_outputs=self.static_dy)
@@ -91,7 +119,7 @@ class _CapturedStep:
 
     def forward(self, ctx, x2d: torch.Tensor) -> torch.Tensor:
         if self.static_x.data_ptr() != x2d.data_ptr():
-            self.static_x.detach().copy_(x2d)
+            self.static_x.copy_(x2d)
         self.fwd_graph.replay()
         self._owner = weakref.ref(ctx)
         return self.static_y.detach()
@@ -123,6 +151,22 @@ class _GraphReplay(torch.autograd.Function):
             grad_w if needs[2] else None,
             grad_b if needs[3] else None,
         )
+
+
+def _leaves(static_x: torch.Tensor, x_grad: bool, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Tuple:
+    """``(x, W, b)`` as new autograd leaves over the same memory as the static input and the parameters.
+
+    The parameters' own gradient accumulators were made by earlier eager steps on the default
+    stream, and may be kept alive (by a graph still referenced, or by DDP's hooks); a backward
+    captured through them would make the default stream wait on the capturing one, which CUDA
+    refuses. Detached aliases have accumulators of their own, made where they are first used.
+    The optimizer's in-place updates of the parameters are seen through the shared memory.
+    """
+    def leaf(t: Optional[torch.Tensor], grad: bool) -> Optional[torch.Tensor]:
+        return None if t is None else t.detach().requires_grad_(grad)
+
+    return (leaf(static_x, x_grad), leaf(weight, weight.requires_grad),
+            leaf(bias, bias is not None and bias.requires_grad))  # fmt: skip
 
 
 def _stamp(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Tuple:
@@ -205,6 +249,7 @@ class LayerGraphs:
         return _CapturedStep(layer, plan, x2d, self.warmup)
 
     def _capture(self, layer, plan, x2d: torch.Tensor, key: Tuple) -> Optional[_CapturedStep]:
+        global _traceback_logged
         try:
             step = self._new_step(layer, plan, x2d)
         except Exception as exc:  # a backend that cannot run inside a capture: stay eager
@@ -212,8 +257,12 @@ class LayerGraphs:
             logger.warning(
                 "LokaLinear(%d, %d): CUDA graph capture at input %s failed, running eagerly: %s",
                 layer.in_features, layer.out_features, tuple(x2d.shape), self.failure,
+                exc_info=not _traceback_logged,
             )
+            _traceback_logged = True
             self._steps.clear()
+            if x2d.is_cuda:
+                release_generator(x2d.device)
             return None
         if len(self._steps) >= self.max_graphs:
             self._steps.popitem(last=False)

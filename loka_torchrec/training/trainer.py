@@ -568,5 +568,20 @@ class Trainer:
             # What the checks after planning saw (rank 0 records them): layer timings, guard verdicts.
             "layer_checks": [e for e in self.loka.dispatcher.events if e.get("event") == "layer_check"],
             "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
+            "cuda_graphs": self._cuda_graph_summary(),
+        }
+
+    def _cuda_graph_summary(self) -> Optional[Dict[str, Any]]:
+        """This rank's CUDA-graph counters over the layers with ``cuda_graphs`` on, else ``None``."""
+        layers = [m for m in self.loka.dispatcher.managed_layers().values() if getattr(m, "cuda_graphs", False)]
+        if not layers:
+            return None
+        failures = sorted({m.graphs.failure for m in layers if m.graphs.failure is not None})
+        return {
+            "layers": len(layers),
+            "captured_layers": sum(1 for m in layers if m.graphs.captures > 0),
+            "captures": sum(m.graphs.captures for m in layers),
+            "replays": sum(m.graphs.replays for m in layers),
+            "failures": failures,
         }
 
