@@ -174,8 +174,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--window-start",
         type=int,
         default=None,
-        help="steps after this one are timed (default: the larger of steps/2 and, with loka, the probe warm-up + 80: "
-        "the plan, then the step-time guard's 5 settling and 50 compared steps, come first)",
+        help="steps after this one are timed (default: the larger of steps/2 and the probe warm-up + 80, for every "
+        "run so that invocations compare: a loka run's plan, then the step-time guard's 5 settling and 50 compared "
+        "steps, come first; without loka runs, steps/2 where that would not fit)",
     )
     p.add_argument("--probe-warmup", type=int, default=200, help="loka.probe.warmup_steps of the loka run (steps)")
     p.add_argument(
@@ -223,10 +224,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.nproc < 1:
         p.error(f"--nproc: must be >= 1, got {args.nproc}")
     if args.window_start is None:
-        args.window_start = args.steps // 2
-        if any(r.startswith("loka") for r in args.runs):
-            # after the plan (end of warm-up) and the step-time guard's verdict (5 + 50 steps later)
-            args.window_start = max(args.window_start, args.probe_warmup + 80)
+        # After the loka runs' plan (end of the probe's warm-up) and the step-time guard's verdict
+        # (5 + 50 steps later), whichever runs are listed: invocations with the same --steps and
+        # --probe-warmup time the same steps, so their tables compare. Without loka runs, a
+        # window that would not fit falls back to the second half.
+        args.window_start = max(args.steps // 2, args.probe_warmup + 80)
+        if args.window_start >= args.steps and not any(r.startswith("loka") for r in args.runs):
+            args.window_start = args.steps // 2
     if not 0 < args.window_start < args.steps:
         p.error(f"--window-start: must be in [1, --steps={args.steps}), got {args.window_start}")
     if any(r.startswith("loka") for r in args.runs) and args.window_start <= args.probe_warmup:

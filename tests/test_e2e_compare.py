@@ -35,7 +35,10 @@ def test_run_overrides_and_window():
     assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all" in bf16
     # the window starts after the probe's warm-up (the plan) and the step-time guard's verdict
     assert e2e.parse_args(["--runs", "loka", "--steps", "300"]).window_start == 280
-    assert e2e.parse_args(["--runs", "bf16", "--steps", "300"]).window_start == 150
+    # the same window without loka runs, so that separate invocations time the same steps
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "300"]).window_start == 280
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "150", "--probe-warmup", "50"]).window_start == 130
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "200"]).window_start == 100  # 280 would not fit
     with pytest.raises(SystemExit):
         e2e.parse_args(["--runs", "loka", "--steps", "300", "--window-start", "100"])
     with pytest.raises(SystemExit):
