@@ -223,17 +223,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--steps: must be >= 2, got {args.steps}")
     if args.nproc < 1:
         p.error(f"--nproc: must be >= 1, got {args.nproc}")
+    has_loka = any(r.startswith("loka") for r in args.runs)
     if args.window_start is None:
         # After the loka runs' plan (end of the probe's warm-up) and the step-time guard's verdict
         # (5 + 50 steps later), whichever runs are listed: invocations with the same --steps and
         # --probe-warmup time the same steps, so their tables compare. Without loka runs, a
         # window that would not fit falls back to the second half.
         args.window_start = max(args.steps // 2, args.probe_warmup + 80)
-        if args.window_start >= args.steps and not any(r.startswith("loka") for r in args.runs):
+        if args.window_start >= args.steps and not has_loka:
             args.window_start = args.steps // 2
     if not 0 < args.window_start < args.steps:
         p.error(f"--window-start: must be in [1, --steps={args.steps}), got {args.window_start}")
-    if any(r.startswith("loka") for r in args.runs) and args.window_start <= args.probe_warmup:
+    if has_loka and args.window_start <= args.probe_warmup:
         p.error(
             f"--window-start={args.window_start} must be after --probe-warmup={args.probe_warmup}: "
             "the loka run plans at the end of the probe's warm-up"

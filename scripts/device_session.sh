@@ -63,6 +63,14 @@ e2e() {  # e2e NAME LIMIT_S ARGS...: one benchmarks/e2e_compare.py invocation, i
   tail -n 25 "$WORK/$name.log"
 }
 
+gpu_tests() {  # gpu_tests LIMIT_S TEST_FILE...: the GPU tests; the whole output (a failed capture's logged traceback included) to $OUT/gpu-tests-graphs.txt
+  local limit=$1
+  shift
+  timeout "$limit" python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= "$@" > "$WORK/pytest-gpu.log" 2>&1
+  grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-graphs.txt"
+  tail -n 15 "$WORK/pytest-gpu.log"
+}
+
 pack() {  # the runs' own files (plans, events, probe logs, summaries) and the logs, in one tarball
   tar -czf "$OUT/$stage-logs.tar.gz" -C "$WORK" --exclude='site' . 2>/dev/null
   ls -la "$OUT"
@@ -113,11 +121,7 @@ case $stage in
       tests/test_dmp_collection.py 2>&1 | tail -n 15 | tee "$WORK/pytest-dmp.log"
     ;;
   graphs)
-    # The whole pytest output (a failed capture's logged traceback included) comes back.
-    timeout 150 python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
-      tests/test_layer_graph.py tests/test_layer_check.py > "$WORK/pytest-gpu.log" 2>&1
-    grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-graphs.txt"
-    tail -n 15 "$WORK/pytest-gpu.log"
+    gpu_tests 150 tests/test_layer_graph.py tests/test_layer_check.py
     # Host and device time of one FP8 layer step, eager against CUDA-graphed, at a DHEN-large
     # shape and at a larger one.
     for shape in 8192x2048x1024 32768x2048x2048; do
@@ -135,10 +139,7 @@ case $stage in
     # The CUDA-graph GPU tests, then DHEN large with every GEMM forced to FP8 (no layer check, no
     # step-time guard), eager against graphed: do the captures hold in a real DMP job, and what do
     # they change there. Shorter runs (E2E_STEPS, default here 150).
-    timeout 100 python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= \
-      tests/test_layer_graph.py > "$WORK/pytest-gpu.log" 2>&1
-    grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-graphs.txt"
-    tail -n 5 "$WORK/pytest-gpu.log"
+    gpu_tests 100 tests/test_layer_graph.py
     e2e e2e-dhen-forced-fp8 "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 --runs loka,loka_graphs --run-timeout 90 \
       --override loka.dispatch.mode=all:scaled_mm:rowwise --override loka.dispatch.layer_check_reps=0 \
       --override loka.dispatch.step_guard_window=0

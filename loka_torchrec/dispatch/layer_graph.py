@@ -13,9 +13,10 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, specialised to on
    on), the layer's ``_LokaLinearFunction`` runs ``warmup`` times on a side stream (so Triton
    compiles and cuBLAS allocates its workspace outside the capture), then its forward is captured
    into one graph and ``torch.autograd.grad`` of it into another, both through detached aliases
-   of the input buffer and the parameters (same memory, gradient accumulators of their own). Inside a capture the layer
-   quantizes its weight on every replay (no Python-side cache: the optimizer updates the weight
-   in place, the graph reads it where it lies) and counts non-finite scales on the device.
+   of the input buffer and the parameters (same memory, gradient accumulators of their own).
+   Inside a capture the layer quantizes its weight on every replay (no Python-side cache: the
+   optimizer updates the weight in place, the graph reads it where it lies) and counts
+   non-finite scales on the device.
 2. A call copies ``x`` into the static input, replays the forward graph and returns the static
    output; its backward copies ``dy`` in, replays the backward graph and returns the static
    gradients. Those are returned as held tensors, so autograd copies or adds them into
