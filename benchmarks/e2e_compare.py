@@ -9,7 +9,7 @@ For each recipe (``--recipes``, default the GPU-sized ``dlrm_large,dhen_large,hs
 with ``LOKA_RUN_DIR`` set to its own folder, one at a time, under a per-run timeout and an
 overall deadline; a failing run is recorded (exit status, the last error line, the log's tail)
 and the next one starts. From each run's ``summary.json`` it collects the step time over the
-timed window (steps ``w+1..n``: median, p10, p90; CUDA-synchronized per step), QPS, peak GPU
+timed window (steps ``w+1..n``: median, p10, p90; see ``train.step_sync``), QPS, peak GPU
 memory, final eval NE and AUC, and the Dispatch plan (GEMMs in FP8 by backend) or the baseline's
 conversion report, and writes
 
@@ -33,6 +33,9 @@ Runs (``--runs``):
 * ``loka``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward;
 * ``loka_graphs``: ``loka`` with its FP8 layers replaying CUDA graphs
   (``loka.dispatch.cuda_graphs=true``; CUDA only; not in the default list);
+* ``bf16_graphs`` and ``loka_dense_graphs``: ``bf16`` and ``loka`` with the model's dense modules
+  replaying CUDA graphs of their forward and backward (``loka.dispatch.dense_graphs=true``; CUDA
+  only; not in the default list): the step without most of its host time, and what FP8 adds there;
 * ``loka_comms_off``: the same with TorchRec's fp32 embedding comms (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list).
@@ -130,6 +133,11 @@ RUNS: Dict[str, RunSpec] = {
     for spec in (
         RunSpec("bf16", ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all")),
         RunSpec("bf16_nomods", ("loka.enabled=false",)),
+        RunSpec(
+            "bf16_graphs",
+            ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all", "loka.dispatch.dense_graphs=true"),
+            cuda_only=True,
+        ),
         _torchao("tensorwise"),
         _torchao("rowwise"),
         _torchao("rowwise_with_gw_hp"),
@@ -143,6 +151,12 @@ RUNS: Dict[str, RunSpec] = {
             "loka_graphs",
             ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
              "loka.dispatch.cuda_graphs=true"),
+            cuda_only=True,
+        ),
+        RunSpec(
+            "loka_dense_graphs",
+            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
+             "loka.dispatch.dense_graphs=true"),
             cuda_only=True,
         ),
         # Multi-rank comparisons: LoKA with TorchRec's own fp32 embedding comms, and LoKA under
@@ -387,6 +401,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "step_guard_verdicts": loka.get("step_guard_verdicts") or [],
             "step_guard": loka.get("step_guard"),
             "cuda_graphs": loka.get("cuda_graphs"),
+            "dense_graphs": loka.get("dense_graphs") or [],
         }
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
@@ -488,12 +503,23 @@ def profile_section(records: List[Dict[str, Any]]) -> List[str]:
             f"| {pct['comms']:.1f} | {other:.1f} | {100 * p['idle_share']:.1f} "
             f"| {_fmt(p['amdahl_2x_gemm_ceiling'], '.3f')}x ({_fmt(p.get('amdahl_2x_gemm_ceiling_wall'), '.3f')}x) |"
         )
+    tops = [r for r in profiled if r["profile"].get("top_kernels")]
+    if tops:
+        lines += ["", "The largest kernels of each profiled run (ms per step, category, name cut at 60 characters):", ""]
+        for r in tops:
+            top = "; ".join(
+                f"{k['ms_per_step']:.2f} {k['category']} `{k['name'][:60]}`" for k in r["profile"]["top_kernels"][:6]
+            )
+            lines.append(f"- {r['recipe']} {r['run']} seed {r['seed']}: {top}")
     return lines + [""]
 
 
 def loka_section(records: List[Dict[str, Any]]) -> List[str]:
     """"What LoKA decided": per LoKA run and seed, the layer check, the step-time guard and the Probe's cost."""
-    runs = [r for r in records if r.get("status") == "ok" and r.get("dispatch") and r["run"].startswith("loka")]
+    runs = [
+        r for r in records
+        if r.get("status") == "ok" and r.get("dispatch") and (r["run"].startswith("loka") or r["dispatch"].get("dense_graphs"))
+    ]  # fmt: skip
     if not runs:
         return []
     lines = [
@@ -525,19 +551,38 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
             f"| {r['recipe']} | {r['run']} | {r['seed']} | {d.get('fp8_gemms')}/{d.get('gemms')} | {kept} / {len(checks)} | {guard} "
             f"| {_fmt(cost.get('warmup_extra_ms'), '.1f')}, {_fmt(cost.get('plan_extra_ms'), '.0f')} "
             f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% "
-            f"| {_graphs_cell(d.get('cuda_graphs'))} |"
+            f"| {_graphs_cell(d.get('cuda_graphs'), d.get('dense_graphs'))} |"
         )
     return lines + [""]
 
 
-def _graphs_cell(graphs: Optional[Dict[str, Any]]) -> str:
-    """``captured/layers layers, N replays`` (and why capturing failed), or ``off``."""
-    if not graphs:
-        return "off"
-    cell = f"{graphs['captured_layers']}/{graphs['layers']} layers, {graphs['replays']} replays"
-    if graphs.get("failures"):
-        cell += "; failed: " + "; ".join(f.replace("|", "/")[:120] for f in graphs["failures"])
-    return cell
+def _graphs_cell(graphs: Optional[Dict[str, Any]], dense: Optional[List[Dict[str, Any]]] = None) -> str:
+    """Layer graphs: ``captured/layers layers, N replays``; dense graphs: per module its captures,
+    replays and eager calls (and why capturing failed); or ``off``."""
+    cells = []
+    if graphs:
+        cell = f"{graphs['captured_layers']}/{graphs['layers']} layers, {graphs['replays']} replays"
+        if graphs.get("failures"):
+            cell += "; failed: " + "; ".join(f.replace("|", "/")[:120] for f in graphs["failures"])
+        cells.append(cell)
+    for g in dense or []:
+        cell = f"dense `{g['module']}`: {g['captures']} captures, {g['replays']} replays, {g['eager_calls']} eager"
+        if g.get("failure"):
+            cell += "; failed: " + g["failure"].replace("|", "/")[:120]
+        cells.append(cell)
+    return "; ".join(cells) or "off"
+
+
+def _timing_words(overrides: Sequence[str], device: str) -> str:
+    """How the runs' step times were taken (``train.step_sync``, ``train.data_workers``), in words."""
+    if "train.step_sync=true" in overrides:
+        timing = "CUDA-synchronized after each step"
+    else:
+        timing = "host-clock intervals between step ends, the GPU synchronized before and after the window"
+    workers = [o.split("=", 1)[1] for o in overrides if o.startswith("train.data_workers=")]
+    in_loop = workers[-1] == "0" if workers else device == "cpu"  # the job's default: workers on CUDA only
+    made = "batches made in the loop" if in_loop else "batches made by loader workers"
+    return f"{timing}, {made}"
 
 
 def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[Dict[str, Any]]) -> str:
@@ -549,7 +594,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}",
         f"- driver: `{meta['command']}`",
         f"- each run: {a['steps']} steps, step time over steps {a['window_start'] + 1}..{a['steps']} "
-        f"(median and p10/p90 of per-step times, CUDA-synchronized each step; rank 0), "
+        f"(median and p10/p90 of per-step times, {_timing_words(a.get('override') or [], a['device'])}; rank 0), "
         f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}"
         + (", deterministic kernels (`train.deterministic=true`)" if a.get("deterministic") else ""),
         "- NE vs bf16: relative difference of the final eval NE to the `bf16` run of the same seed, "

@@ -70,6 +70,7 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
             batch_size=data.batch_size,
             baseline_config=baseline_cfg,
             teacher_ne=data.teacher_ne,
+            train_split=data.train_split,
         )
         summary = trainer.fit()
         # The pipeline may still hold input distributions issued for batches it prefetched: let
@@ -101,6 +102,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"train NE / AUC   {f(s['train_ne'])} / {f(s['train_auc'])}   (last logging window)",
         f"eval  NE / AUC   {f(s['eval_ne'])} / {f(s['eval_auc'])}   (teacher's own NE: {f(s.get('teacher_eval_ne'))})",
     ]
+    if s.get("data_workers"):
+        lines.append(f"data             train batches made by {s['data_workers']} loader worker process(es)")
     if s.get("peak_memory_gb") is not None:
         lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)")
     if s.get("autocast", "none") != "none":
@@ -133,6 +136,11 @@ def format_summary(s: Dict[str, Any]) -> str:
                 f"CUDA graphs      {graphs['captured_layers']} of {graphs['layers']} layers captured "
                 f"({graphs['captures']} captures, {graphs['replays']} replays)"
                 + (f"; failed: {'; '.join(graphs['failures'])}" if graphs["failures"] else "")
+            )
+        for dense in loka.get("dense_graphs") or []:
+            lines.append(
+                f"dense graphs     {dense['module']}: {dense['captures']} capture(s), {dense['replays']} replays, "
+                f"{dense['eager_calls']} eager calls" + (f"; failed: {dense['failure']}" if dense["failure"] else "")
             )
         if loka.get("step_guard"):
             lines.append(f"step-time guard   {loka['step_guard']}")

@@ -19,6 +19,18 @@
 #   bash scripts/device_session.sh baselines  DHEN large, seed 0: bf16 (again, for the ratios),
 #                                             bf16_nomods, TE, torchao x3
 #   bash scripts/device_session.sh hstu       HSTU large: bf16, loka (2 seeds), TE, torchao rowwise
+#   bash scripts/device_session.sh harness    DHEN large, seed 0: what the job's timing and data
+#                                             loading do to the step. bf16 timed as before
+#                                             (synchronized per step, batches made in the loop),
+#                                             with loader workers only, and as the job now runs
+#                                             (workers, no per-step sync); under the latter also
+#                                             loka, loka_graphs, torchao rowwise and every GEMM
+#                                             forced to FP8 with graphs (E2E_STEPS=260 suggested)
+#   bash scripts/device_session.sh dense      GPU tests of dense CUDA graphs; DHEN large seed 0:
+#                                             bf16, bf16_graphs, loka_dense_graphs, and every GEMM
+#                                             forced to FP8 under dense graphs
+#   bash scripts/device_session.sh dense2     DHEN large seed 1 and DLRM large seed 0: bf16,
+#                                             bf16_graphs, loka_dense_graphs
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
 #     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
@@ -155,8 +167,56 @@ case $stage in
     e2e e2e-hstu-1gpu "$(( $(left) - 20 ))" --recipes hstu_large --seeds "$SEEDS" \
       --runs bf16,loka,te,torchao_rowwise --one-seed-runs te,torchao_rowwise --run-timeout 100
     ;;
+  harness)
+    gpu_tests 60 tests/test_metrics.py
+    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-metrics.txt"
+    # At most 8 files come back: the tables (.md) as they are, the rest packed.
+    results=$OUT
+    OUT=$WORK/results && mkdir -p "$OUT"
+    e2e e2e-dhen-timing-sync-inline 100 --recipes dhen_large --seeds 0 --runs bf16 --run-timeout 90 \
+      --override train.step_sync=true --override train.data_workers=0
+    e2e e2e-dhen-timing-sync-workers 100 --recipes dhen_large --seeds 0 --runs bf16 --run-timeout 90 \
+      --override train.step_sync=true
+    e2e e2e-dhen-1gpu "$(( $(left) - 120 ))" --recipes dhen_large --seeds 0 \
+      --runs bf16,loka,loka_graphs,torchao_rowwise --run-timeout 90
+    e2e e2e-dhen-forced-fp8-graphs "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 --runs loka_graphs --run-timeout 90 \
+      --override loka.dispatch.mode=all:scaled_mm:rowwise --override loka.dispatch.layer_check_reps=0 \
+      --override loka.dispatch.step_guard_window=0
+    cp "$OUT"/*.md "$results"/
+    tar -czf "$results/harness-results.tar.gz" -C "$OUT" .
+    OUT=$results
+    ;;
+  dense)
+    # Dense CUDA graphs (loka.dispatch.dense_graphs): their GPU tests, then DHEN large, seed 0:
+    # bf16, bf16 with dense graphs, LoKA with dense graphs, and every GEMM forced to FP8 with dense
+    # graphs (no layer check, no guard): what FP8 adds once the step is GPU-bound.
+    gpu_tests 120 tests/test_module_graph.py tests/test_layer_graph.py
+    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-dense.txt"
+    results=$OUT
+    OUT=$WORK/results && mkdir -p "$OUT"
+    e2e e2e-dhen-1gpu-dense "$(( $(left) - 110 ))" --recipes dhen_large --seeds 0 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
+    e2e e2e-dhen-forced-fp8-dense "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 --runs loka_dense_graphs \
+      --run-timeout 90 --override loka.dispatch.mode=all:scaled_mm:rowwise --override loka.dispatch.layer_check_reps=0 \
+      --override loka.dispatch.step_guard_window=0
+    cp "$OUT"/*.md "$results"/
+    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
+    OUT=$results
+    ;;
+  dense2)
+    # The second seed of DHEN large and DLRM large, bf16 / bf16 with dense graphs / LoKA with them.
+    results=$OUT
+    OUT=$WORK/results && mkdir -p "$OUT"
+    e2e e2e-dhen-1gpu-dense-seed1 "$(( ($(left) - 20) / 2 ))" --recipes dhen_large --seeds 1 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
+    e2e e2e-dlrm-1gpu-dense "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
+    cp "$OUT"/*.md "$results"/
+    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
+    OUT=$results
+    ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2)" >&2
     exit 2
     ;;
 esac

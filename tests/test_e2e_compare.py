@@ -176,3 +176,12 @@ def test_graphs_cell_says_what_was_captured_and_why_not():
     assert e2e._graphs_cell(ok) == "5/7 layers, 900 replays"
     failed = dict(ok, captured_layers=0, replays=0, failures=["RuntimeError: a | b"])
     assert e2e._graphs_cell(failed) == "0/7 layers, 0 replays; failed: RuntimeError: a / b"
+
+
+def test_graphs_cell_with_dense_graphs():
+    e2e = _driver()
+    dense = [{"module": "over_arch", "captures": 2, "replays": 150, "eager_calls": 110, "failure": None}]
+    assert e2e._graphs_cell(None, dense) == "dense `over_arch`: 2 captures, 150 replays, 110 eager"
+    failed = [{"module": "m", "captures": 0, "replays": 0, "eager_calls": 9, "failure": "RuntimeError: x | y"}]
+    assert e2e._graphs_cell(None, failed).endswith("failed: RuntimeError: x / y")
+    assert e2e._graphs_cell(None, []) == "off"

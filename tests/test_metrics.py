@@ -189,3 +189,16 @@ def test_cuda_metrics_match_cpu():
     got = gpu.compute()
     for key in ("ne", "auc", "loss", "positive_rate", "count"):
         assert got[key] == pytest.approx(cpu[key], rel=1e-9), key
+
+
+@pytest.mark.gpu
+def test_cuda_bad_labels_are_counted_and_refused_at_compute():
+    """On a GPU the label check costs no host synchronization per update: bad labels are counted
+    on the device, and compute() refuses them (after a reset the window is clean again)."""
+    m = BinaryClassificationMetrics("cuda")
+    m.update(torch.zeros(4, device="cuda"), torch.tensor([0.0, 1.0, 0.5, 2.0], device="cuda"))  # no error yet
+    with pytest.raises(ValueError, match="labels must be 0 or 1: 2 label"):
+        m.compute()
+    m.reset()
+    m.update(torch.zeros(2, device="cuda"), torch.tensor([0.0, 1.0], device="cuda"))
+    assert m.compute()["count"] == 2.0

@@ -202,6 +202,9 @@ def test_step_profiler_profiles_exactly_its_window_on_cpu(tmp_path):
     assert profiler.finish() is profiler.report  # finishing again changes nothing
     summary = profile_summary(report)
     assert set(summary["shares"]) == set(CATEGORIES) and summary["file"].endswith("profile.json")
+    top = summary["top_kernels"]
+    assert 0 < len(top) <= 8 and top[0]["name"] == report["top_kernels"][0]["name"]
+    assert top[0]["ms_per_step"] == pytest.approx(report["top_kernels"][0]["ms"] / report["num_steps"])
 
 
 def test_step_profiler_window_cut_short_and_never_reached(tmp_path):

@@ -119,9 +119,9 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
     extra = [f"model={model}", f"loka.mods.preset={mods}", f"loka.dispatch.mode={dispatch}"]
     if probe:  # a short warm-up so that the probe's evidence reaches the dispatcher within the run
         extra += ["loka.probe.enabled=true", "loka.probe.warmup_steps=10", "loka.probe.every=5"]
-    graphs = dispatch.startswith("all:")  # the CUDA-graph switch: on the CPU every layer stays eager
+    graphs = dispatch.startswith("all:")  # the CUDA-graph switches: on the CPU everything stays eager
     if graphs:
-        extra.append("loka.dispatch.cuda_graphs=true")
+        extra += ["loka.dispatch.cuda_graphs=true", "loka.dispatch.dense_graphs=true"]
     proc = launch(run_dir, *extra, base=FAST_RECIPE)
     assert "loka-torchrec run summary" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -130,8 +130,14 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
         assert counters["layers"] == summary["loka"]["converted_layers"] > 0
         assert counters["captured_layers"] == counters["captures"] == counters["replays"] == 0
         assert counters["failures"] == [] and "CUDA graphs      0 of" in proc.stdout
+        dense = summary["loka"]["dense_graphs"]  # DHEN: over_arch; HSTU: the table-free parts of its over_arch
+        names = [g["module"] for g in dense]
+        assert names == ["over_arch"] if model == "dhen" else "over_arch.layers.0" in names and "over_arch.head" in names
+        for g in dense:
+            assert g["captures"] == g["replays"] == 0 and g["eager_calls"] >= 30 and g["failure"] is None
+        assert "dense graphs" in proc.stdout
     else:
-        assert summary["loka"]["cuda_graphs"] is None
+        assert summary["loka"]["cuda_graphs"] is None and summary["loka"]["dense_graphs"] == []
     assert summary["steps"] == 30 and summary["world_size"] == 2
     assert summary["eval_ne"] < 1.0
     assert summary["loka"]["fp8_gemms"] > 0
@@ -175,13 +181,15 @@ def test_bad_input_is_one_clear_error(tmp_path, override, message):
 
 
 def test_deterministic_runs_repeat_exactly_and_say_so(tmp_path):
-    """train.deterministic=true: the flag reaches the summary, and two runs of one seed agree exactly."""
+    """train.deterministic=true: the flag reaches the summary, and two runs of one seed agree
+    exactly; so does a third whose batches come from two loader workers (train.data_workers)."""
     summaries = []
-    for name in ("a", "b"):
-        launch(tmp_path / name, "train.steps=12", "train.deterministic=true", "loka.enabled=false", nproc=1)
+    for name, extra in (("a", []), ("b", []), ("workers", ["train.data_workers=2"])):
+        launch(tmp_path / name, "train.steps=12", "train.deterministic=true", "loka.enabled=false", *extra, nproc=1)
         summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
     assert all(s["deterministic"] is True for s in summaries)
-    assert summaries[0]["eval_ne"] == summaries[1]["eval_ne"] and summaries[0]["train_ne"] == summaries[1]["train_ne"]
+    for other in summaries[1:]:
+        assert other["eval_ne"] == summaries[0]["eval_ne"] and other["train_ne"] == summaries[0]["train_ne"]
     with pytest.raises(ValueError, match="train.deterministic"):
         from loka_torchrec.training.trainer import TrainConfig
 

@@ -120,6 +120,12 @@ class Dispatcher(EvidenceConsumer):
         self._apply(self.plan)
 
     @property
+    def times_in_graphs(self) -> bool:
+        """Candidates are timed as CUDA-graph replays (``dispatch.dense_graphs``: a captured step pays
+        device time only); the Probe reads this too."""
+        return self.config.dense_graphs
+
+    @property
     def grad_format(self) -> Fp8Format:
         """FP8 format of the gradient operands (``dispatch.grad_format``); the Probe measures with it."""
         return self._grad_format
@@ -178,7 +184,7 @@ class Dispatcher(EvidenceConsumer):
         before = plan.fp8_gemm_count()
         plan, records = check_plan_layers(
             plan, self._layers, min_speedup=self.config.min_speedup, reps=self.config.layer_check_reps,
-            grad_format=self._grad_format,
+            grad_format=self._grad_format, device_time=self.times_in_graphs,
         )
         for record in records:
             self._record({"event": "layer_check", "step": step, **record})
@@ -209,7 +215,7 @@ class Dispatcher(EvidenceConsumer):
 
     # ------------------------------------------------------------------ step-time guard
     def observe_step_time(self, step: int, step_ms: float) -> Optional[GuardVerdict]:
-        """Report one training step's wall time (ms, synchronized with the device) to the guard.
+        """Report one training step's wall time (ms, as the training loop times it) to the guard.
 
         Call it after every step on every rank (the project's job does). When a trial window after
         an FP8 plan completes, the ranks agree on the medians (the slowest rank counts), the verdict
@@ -270,6 +276,7 @@ class Dispatcher(EvidenceConsumer):
             reps=self.config.timing_reps,
             grad_format=self._grad_format,
             seed=seed,
+            device_time=self.times_in_graphs,
         )
 
     @property

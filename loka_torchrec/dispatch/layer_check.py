@@ -13,7 +13,9 @@ kernels per GEMM, every layer with an FP8 GEMM is timed as a training step sees 
 * the weight is touched in place before each repetition, as an optimizer step would, so the FP8
   weight operands are quantized in every repetition, as in training;
 * wall time with the device synchronized around each repetition (host overhead counts), the two
-  variants interleaved repetition by repetition so that drift hits both.
+  variants interleaved repetition by repetition so that drift hits both; under
+  ``dispatch.dense_graphs``, where a step pays no host launch time, device time of each variant's
+  forward + backward replayed as a CUDA graph instead.
 
 The layer keeps its FP8 kernels only if the speedup's conservative bound (bf16's 25th percentile
 over FP8's 75th) reaches ``dispatch.min_speedup``; otherwise all three GEMMs go back to bf16, and
@@ -83,6 +85,7 @@ def time_layer_step(
     warmup: int = 3,
     seed: int = 0,
     cuda_graphs: bool = False,
+    device_time: bool = False,
 ) -> LayerTiming:
     """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer, FP8 vs bf16.
 
@@ -95,6 +98,9 @@ def time_layer_step(
         reps: timed repetitions per variant (interleaved); ``warmup`` untimed ones first.
         cuda_graphs: the FP8 variant replays CUDA graphs, as the layer will in training (the
             warm-up repetitions include its capture).
+        device_time: on CUDA, time both variants' forward + backward captured in CUDA graphs
+            (device time, no host launch time), as a step under ``dispatch.dense_graphs`` pays
+            them; falls back to wall time if a variant cannot be captured.
 
     Returns:
         Median and inter-quartile range of both variants' wall time per repetition, in ms.
@@ -140,11 +146,63 @@ def time_layer_step(
     for _ in range(warmup):
         for layer in variants.values():
             one_step(layer)
+    if device_time and cuda:
+        replayed = _replayed_step_times(variants, x, dy, autocast_dtype, reps)
+        if replayed is not None:
+            return LayerTiming(_quartiles(replayed["fp8"]), _quartiles(replayed["bf16"]))
     times: Dict[str, List[float]] = {"fp8": [], "bf16": []}
     for _ in range(reps):
         for name, layer in variants.items():
             times[name].append(one_step(layer))
     return LayerTiming(_quartiles(times["fp8"]), _quartiles(times["bf16"]))
+
+
+def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional[Dict[str, List[float]]]:
+    """Forward + backward of each variant captured as one CUDA graph, the replays timed with CUDA
+    events, interleaved variant by variant; ``None`` if a variant cannot be captured.
+
+    Each call makes its own detached aliases of the input and the parameters, so that every
+    gradient accumulator the captured backward uses is made inside the capture (see
+    :mod:`loka_torchrec.dispatch.layer_graph`)."""
+    from loka_torchrec.dispatch.layer_graph import release_generator
+
+    device = x.device
+
+    def step_of(layer):
+        def step() -> None:
+            x_leaf = x.detach().requires_grad_(True)
+            params = {n: p.detach().requires_grad_(True) for n, p in layer.named_parameters()}
+            context = (torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=False)
+                       if autocast_dtype else contextlib.nullcontext())  # fmt: skip
+            with context:
+                y = torch.func.functional_call(layer, params, (x_leaf,))
+            torch.autograd.grad(y, [x_leaf, *params.values()], dy)
+        return step
+
+    graphs = {}
+    try:
+        for name, layer in variants.items():
+            step = step_of(layer)
+            step()  # compiles and allocates outside the capture
+            torch.cuda.synchronize(device)
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name], capture_error_mode="thread_local"):
+                step()
+    except Exception:  # noqa: BLE001 - a variant that cannot be captured: time eagerly instead
+        release_generator(device)
+        return None
+    for graph in graphs.values():
+        graph.replay()
+    times: Dict[str, List[float]] = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return times
 
 
 def _timing_key(module, layer_plan: LayerPlan, rows: int) -> Tuple:
@@ -162,6 +220,7 @@ def check_plan_layers(
     min_speedup: float,
     reps: int,
     grad_format: Fp8Format,
+    device_time: bool = False,
 ) -> Tuple[DispatchPlan, List[dict]]:
     """``plan`` with every FP8 layer that is not faster as a whole sent back to bf16.
 
@@ -172,6 +231,7 @@ def check_plan_layers(
             whether the FP8 variant replays graphs).
         min_speedup: the gate on the layer's conservative speedup.
         reps: timed repetitions per variant.
+        device_time: time CUDA-graph replays (``dispatch.dense_graphs``; see :func:`time_layer_step`).
 
     Returns:
         ``(checked_plan, records)``: one record per checked layer with both times (ms), the
@@ -195,6 +255,7 @@ def check_plan_layers(
                 bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
                 input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
                 grad_format=grad_format, reps=reps, cuda_graphs=bool(getattr(module, "cuda_graphs", False)),
+                device_time=device_time,
             )
         timing = cache[key]
         keep = timing.speedup_low >= min_speedup

@@ -70,7 +70,7 @@ def release_generator(device: torch.device) -> None:
         with torch.cuda.device(device):
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 scratch.add_(1)
             del graph
     except Exception as exc:  # the device itself is in error: nothing more to do here
@@ -104,10 +104,12 @@ class _CapturedStep:
         wanted = [t for t in self.inputs if t is not None and t.requires_grad]
         pool = torch.cuda.graph_pool_handle()
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd_graph, pool=pool):
+        # thread_local: CUDA calls of other threads (a data loader's pin-memory thread) do not
+        # invalidate the capture, as they would in the default "global" mode.
+        with torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
             self.static_y = _LokaLinearFunction.apply(*self.inputs, layer, plan)
         self.static_dy = torch.zeros_like(self.static_y)
-        with torch.cuda.graph(self.bwd_graph, pool=pool):
+        with torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(self.static_y, wanted, grad_outputs=self.static_dy)
         it = iter(grads)
         # One gradient per entry of self.inputs (None where that input did not require grad).

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, List, Sequence
+import logging
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -18,7 +19,9 @@ from loka_torchrec.dispatch.recipes import recipe_for
 from loka_torchrec.evidence import GemmRole, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, mere
 
-__all__ = ["run_role_gemm", "mean_interval", "time_ms", "role_operands", "t_quantile_975"]
+__all__ = ["run_role_gemm", "mean_interval", "time_ms", "graph_replay_ms", "role_operands", "t_quantile_975"]
+
+logger = logging.getLogger(__name__)
 
 # Two-sided 95% Student-t quantiles t_{0.975, df} for df = 1..30 (standard tables).
 _T975 = (
@@ -94,15 +97,52 @@ def error_samples(
     return out
 
 
-def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup: int = 1) -> Interval:
+def graph_replay_ms(calls: Sequence[Callable[[], object]], *, reps: int, device: torch.device) -> Optional[List[float]]:
+    """Device time per call (ms) of ``calls`` captured in order into one CUDA graph: one sample per
+    replay (the replay's time over ``len(calls)``), ``reps`` samples.
+
+    This is the time the calls take inside a captured step, with no host launch gaps between their
+    kernels; run each call once beforehand (compilation, workspaces). ``None`` when the calls
+    cannot be captured (the caller then times them eagerly).
+    """
+    from loka_torchrec.dispatch.layer_graph import release_generator
+
+    try:
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for call in calls:
+                call()
+    except Exception as exc:  # noqa: BLE001 - any capture failure means: time eagerly
+        logger.info("timing in a CUDA graph failed (%s: %s); timing eagerly", type(exc).__name__, exc)
+        release_generator(device)
+        return None
+    graph.replay()  # the first replay uploads the graph
+    times: List[float] = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return times
+
+
+def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup: int = 1, device_time: bool = False) -> Interval:
     """Median and inter-quartile range of ``fn``'s run time in milliseconds (method ``"iqr"``).
 
-    CUDA: CUDA events around each call after ``warmup`` calls. CPU: ``time.perf_counter``.
+    CUDA: CUDA events around each call after ``warmup`` calls; with ``device_time``, ``fn``
+    replayed in a CUDA graph instead (:func:`graph_replay_ms`: no host time), falling back to
+    the events if it cannot be captured. CPU: ``time.perf_counter``.
     """
     for _ in range(warmup):
         fn()
     times: List[float] = []
-    if device.type == "cuda":
+    replayed = graph_replay_ms([fn], reps=reps, device=device) if device_time and device.type == "cuda" else None
+    if replayed is not None:
+        times = replayed
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -35,6 +35,7 @@ def measure_random_evidence(
     reps: int,
     grad_format: Fp8Format,
     seed: int = 0,
+    device_time: bool = False,
 ) -> List[CandidateEvidence]:
     """Evidence for every layer, role and candidate (see the module docstring).
 
@@ -46,6 +47,8 @@ def measure_random_evidence(
         reps: timed repetitions per candidate.
         grad_format: FP8 format of gradients in dgrad and wgrad.
         seed: seeds the random inputs.
+        device_time: time as CUDA-graph replays (``dispatch.dense_graphs``; see
+            :func:`~loka_torchrec.dispatch.measure.time_ms`).
     """
     generator = torch.Generator().manual_seed(seed)
     evidence: List[CandidateEvidence] = []
@@ -68,10 +71,13 @@ def measure_random_evidence(
             ]
             full_a, full_b = role_operands(role, randn(m, in_features), weight, randn(m, out_features))
             full_a, full_b = full_a.to(weight.dtype), full_b.to(weight.dtype)
-            baseline = time_ms(lambda: run_role_gemm(BF16, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype), reps=reps, device=device)
+            baseline = time_ms(lambda: run_role_gemm(BF16, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype), reps=reps, device=device, device_time=device_time)
             for choice in fp8_choices:
                 errors = error_samples(choice, role, pairs, grad_format=grad_format)
-                timing = time_ms(lambda: run_role_gemm(choice, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype), reps=reps, device=device)
+                timing = time_ms(
+                    lambda: run_role_gemm(choice, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype),
+                    reps=reps, device=device, device_time=device_time,
+                )
                 evidence.append(
                     CandidateEvidence(
                         layer=name,

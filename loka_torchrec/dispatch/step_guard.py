@@ -11,8 +11,9 @@ promise that matters to the user, the step time:
 3. it compares the medians: FP8 stays when ``median_fp8 <= median_bf16 * (1 + tolerance)``,
    otherwise the verdict is to go back to bf16. The verdict is taken once per plan.
 
-Step times are in milliseconds, measured by the training loop (synchronized with the device, so
-they are the step's wall time). :class:`StepTimeGuard` is pure bookkeeping; the
+Step times are in milliseconds, measured by the training loop: the interval between two step
+ends on the host clock, which in steady state is the loop's throughput (or, with
+``train.step_sync``, each step synchronized with the device). :class:`StepTimeGuard` is pure bookkeeping; the
 :class:`~loka_torchrec.dispatch.dispatcher.Dispatcher` makes ranks agree and acts on a verdict.
 """
 

@@ -431,7 +431,11 @@ class ProbeCallback:
             device = next(iter(self._layers.values())).module.weight.device
             # Gradients are quantized as Dispatch will quantize them (E4M3 unless it says otherwise).
             grad_format = getattr(self.consumer, "grad_format", None) or Fp8Format.E4M3
-            self._speed_cache = SpeedCache(reps=self.config.resolved_speed_reps(device), grad_format=grad_format)
+            # Under dense CUDA graphs a step pays the candidates' device time only: time them so.
+            device_time = bool(getattr(self.consumer, "times_in_graphs", False))
+            self._speed_cache = SpeedCache(
+                reps=self.config.resolved_speed_reps(device), grad_format=grad_format, device_time=device_time
+            )
         mine: Dict[str, Tuple[List[CandidateEvidence], List[Dict[str, Any]]]] = {}
         for i, name in enumerate(names):
             if i % self.world_size != self.rank:

@@ -5,6 +5,8 @@ both operands plus the multiplication, i.e. what a training step pays for that G
 
 * CUDA: one pair of CUDA events around every call, after warm-up calls; the operands rotate
   through enough distinct sets to exceed twice the L2 cache, so no call finds its inputs cached.
+* CUDA with ``device_time`` (``dispatch.dense_graphs``): the calls replayed in a CUDA graph,
+  so that host launch time, which a captured step does not pay, is not counted.
 * CPU: ``time.perf_counter`` around every call (few repetitions: the CPU is a test bed, not a
   target).
 
@@ -58,6 +60,7 @@ def time_gemm(
     warmup: Optional[int] = None,
     seed: int = 0,
     grad_format: "Fp8Format | str" = Fp8Format.E4M3,
+    device_time: bool = False,
 ) -> Interval:
     """Median time (ms) with its IQR of ``choice`` on random ``A (M, K)``, ``B (N, K)`` in ``dtype``.
 
@@ -71,6 +74,10 @@ def time_gemm(
         warmup: untimed calls first (default ``max(2, reps // 5)``).
         seed: seed of the random operands.
         grad_format: FP8 format of gradient operands.
+        device_time: on CUDA, time the calls replayed in a CUDA graph (one call per operand set,
+            one sample per replay): the device time a captured step pays, without the host's
+            launch gaps (``dispatch.dense_graphs``). Falls back to per-call events when the
+            candidate cannot be captured.
 
     Raises:
         ValueError: the candidate cannot run here (the message says why); otherwise whatever
@@ -101,7 +108,15 @@ def time_gemm(
         a, b = sets[i % len(sets)]
         run.gemm(a, b, dtype)
     times = []
-    if device.type == "cuda":
+    replayed = None
+    if device_time and device.type == "cuda":
+        from loka_torchrec.dispatch.measure import graph_replay_ms
+
+        calls = [lambda a=a, b=b: run.gemm(a, b, dtype) for a, b in sets]
+        replayed = graph_replay_ms(calls, reps=reps, device=device)
+    if replayed is not None:
+        times = replayed
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for i, (start, end) in enumerate(events):
@@ -123,9 +138,10 @@ def time_gemm(
 class SpeedCache:
     """Memoizes :func:`time_gemm` by ``(candidate, role, shape, dtype, device)``; failures are cached too."""
 
-    def __init__(self, *, reps: int, grad_format: "Fp8Format | str" = Fp8Format.E4M3) -> None:
+    def __init__(self, *, reps: int, grad_format: "Fp8Format | str" = Fp8Format.E4M3, device_time: bool = False) -> None:
         self.reps = reps
         self.grad_format = grad_format
+        self.device_time = device_time  # time as CUDA-graph replays (see time_gemm)
         self._times: Dict[Tuple, "Interval | str"] = {}
 
     def time(self, choice: KernelChoice, role: GemmRole, shape: GemmShape, *, dtype: torch.dtype, device: torch.device) -> "Interval | str":
@@ -137,7 +153,10 @@ class SpeedCache:
         key = (run, (shape.m, shape.k, shape.n), dtype, str(device))
         if key not in self._times:
             try:
-                self._times[key] = time_gemm(choice, role, shape, dtype=dtype, device=device, reps=self.reps, grad_format=self.grad_format)
+                self._times[key] = time_gemm(
+                    choice, role, shape, dtype=dtype, device=device, reps=self.reps, grad_format=self.grad_format,
+                    device_time=self.device_time,
+                )
             except Exception as exc:  # a kernel that fails at this shape is unavailable there, with its reason
                 self._times[key] = f"{type(exc).__name__}: {exc}"
         return self._times[key]

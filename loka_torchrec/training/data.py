@@ -21,6 +21,8 @@ class RankData:
         eval: ``start_batch -> iterator`` over this rank's share of the held-out split.
         batch_size: per-rank batch size.
         teacher_ne: the best NE any model can reach on the eval split (``None`` if unknown).
+        train_split: the train split itself, with random access by batch index, for loader
+            workers (:func:`loka_torchrec.training.prefetch.train_batches`); ``None`` if it has none.
     """
 
     spec: DataSpec
@@ -28,6 +30,7 @@ class RankData:
     eval: Callable[[int], Iterator]
     batch_size: int
     teacher_ne: Optional[float]
+    train_split: Optional[Any] = None
 
 
 def rank_data(config, dataset_cls, spec: DataSpec, teacher_ne: Optional[float], *, rank: int, world_size: int) -> RankData:
@@ -40,6 +43,7 @@ def rank_data(config, dataset_cls, spec: DataSpec, teacher_ne: Optional[float], 
         eval=lambda start: evaluation.batches(start),
         batch_size=config.batch_size,
         teacher_ne=teacher_ne,
+        train_split=train,
     )
 
 

@@ -91,8 +91,9 @@ class BinaryClassificationMetrics:
     Args:
         device: where the states live (the device of the logits).
         process_group: the ranks to merge over; ``None`` is the default group.
-        validate_labels: check that labels are 0 or 1 on every :meth:`update` (one host
-            synchronization per call on a GPU).
+        validate_labels: check that labels are 0 or 1: on a CPU in :meth:`update`; on a GPU
+            the bad labels are counted on the device and :meth:`compute` raises (so that no
+            training step waits for the check), on every rank alike.
 
     Example::
 
@@ -115,7 +116,8 @@ class BinaryClassificationMetrics:
         self.device = torch.device(device)
         self.process_group = process_group
         self.validate_labels = validate_labels
-        self._sums: torch.Tensor = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, positives, count
+        # log loss, positives, count, labels that are neither 0 nor 1
+        self._sums: torch.Tensor = torch.zeros(4, dtype=torch.float64, device=self.device)
         self._logits: List[torch.Tensor] = []
         self._labels: List[torch.Tensor] = []
 
@@ -136,10 +138,13 @@ class BinaryClassificationMetrics:
         _check_pair(logits, labels)
         logits = logits.detach().reshape(-1).to(self.device)
         labels = labels.detach().reshape(-1).to(device=self.device, dtype=torch.float64)
-        if self.validate_labels and not bool(((labels == 0) | (labels == 1)).all()):
-            raise ValueError("labels must be 0 or 1")
+        invalid = labels.new_zeros(())
+        if self.validate_labels:
+            invalid = ((labels != 0) & (labels != 1)).sum().to(torch.float64)
+            if self.device.type == "cpu" and invalid.item():
+                raise ValueError("labels must be 0 or 1")
         loss = F.binary_cross_entropy_with_logits(logits.double(), labels, reduction="sum")
-        self._sums += torch.stack([loss, labels.sum(), labels.new_tensor(float(labels.numel()))])
+        self._sums += torch.stack([loss, labels.sum(), labels.new_tensor(float(labels.numel())), invalid])
         # float32 is enough to rank logits; AUC converts them to float64 probabilities at compute().
         self._logits.append(logits.float())
         self._labels.append(labels.to(torch.uint8))
@@ -193,7 +198,9 @@ class BinaryClassificationMetrics:
             sums = comm_sums.to(self.device)
             logits = self._all_gather_cat(logits)
             labels = self._all_gather_cat(labels)
-        loss_sum, positives, count = (float(v) for v in sums.tolist())
+        loss_sum, positives, count, invalid = (float(v) for v in sums.tolist())
+        if invalid:
+            raise ValueError(f"labels must be 0 or 1: {invalid:.0f} label(s) since the last reset were not")
         if count <= 0:
             nan = math.nan
             return {"ne": nan, "auc": nan, "loss": nan, "positive_rate": nan, "count": 0.0}

@@ -245,6 +245,10 @@ def summarize_events(
     }
 
 
+SUMMARY_TOP_KERNELS = 8
+"""How many of the report's ``top_kernels`` the run's summary keeps."""
+
+
 def profile_summary(report: Dict[str, Any]) -> Dict[str, Any]:
     """The few numbers of a :func:`summarize_events` report that go into the run's summary."""
     keys = (
@@ -253,6 +257,10 @@ def profile_summary(report: Dict[str, Any]) -> Dict[str, Any]:
     )  # fmt: skip
     out = {k: report[k] for k in keys if k in report}
     out["shares"] = {c: v["share"] for c, v in report["categories"].items()}
+    out["top_kernels"] = [  # the largest few, per step, for the comparison tables
+        {"name": k["name"], "category": k["category"], "ms_per_step": k["ms"] / report["num_steps"], "share": k["share"]}
+        for k in report.get("top_kernels", [])[:SUMMARY_TOP_KERNELS]
+    ]
     return out
 
 

@@ -104,6 +104,17 @@ class TrainConfig:
             pipeline does it after the backward, where the fused optimizer has already updated
             the tables. Above 1 the replicas drift apart in between (less all-reduce traffic), and
             they are synced before each evaluation.
+        data_workers: worker processes that make train batches ahead of the loop
+            (:mod:`loka_torchrec.training.prefetch`; batches come in the same order as without
+            them, in pinned memory on CUDA). ``None``: 4 on CUDA, 0 on a CPU; 0 makes each batch
+            in the loop, where its time lands in the step.
+        step_sync: ``torch.cuda.synchronize`` at the end of every step, so that each step's time
+            holds exactly its own GPU work. It also stops the host from queueing the next step
+            while the GPU still runs this one, which a training job never does, so step times
+            then add host and GPU time instead of overlapping them. ``False`` (the default): a
+            step's time is the interval between two step ends on the host clock, which over a
+            window of steps is the loop's real throughput (the GPU is synchronized once before
+            the window, and whenever the job itself reads a value back). No effect on a CPU.
         deterministic: run PyTorch's deterministic kernels where they exist
             (:func:`enable_determinism`), so that two runs of one configuration and seed give the
             same numbers and an NE difference between two configurations is theirs, not the
@@ -127,10 +138,17 @@ class TrainConfig:
     sharding_group_size: Optional[int] = None
     sync_every: int = 1
     deterministic: bool = False
+    data_workers: Optional[int] = None
+    step_sync: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"train.deterministic: expected true or false, got {self.deterministic!r}")
+        for name in ("deterministic", "step_sync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.data_workers is not None and (type(self.data_workers) is not int or self.data_workers < 0):
+            raise ValueError(
+                f"train.data_workers: expected null (4 on CUDA, 0 on a CPU) or an int >= 0, got {self.data_workers!r}"
+            )
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
         for name, allow_null in (("sharding_group_size", True), ("sync_every", False)):
@@ -217,6 +235,9 @@ class Trainer:
         baseline_config: another library's FP8 training on the dense layers
             (:mod:`loka_torchrec.baselines`); only with ``loka_config.enabled=False``.
         teacher_ne: the best NE reachable on the eval split (reported next to the run's own), if known.
+        train_split: the train split with random access by batch index, for ``train.data_workers``
+            (:class:`~loka_torchrec.training.prefetch.RandomAccessSplit`); ``None``: batches come
+            from ``train_data``, made in the loop.
     """
 
     def __init__(
@@ -232,6 +253,7 @@ class Trainer:
         batch_size: int,
         baseline_config: Optional[BaselineConfig] = None,
         teacher_ne: Optional[float] = None,
+        train_split=None,
     ) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -243,7 +265,7 @@ class Trainer:
         self.ctx, self.cfg, self.loka_cfg, self.run_dir = ctx, train_config, loka_config, run_dir
         self.batch_size = batch_size
         self.teacher_ne = teacher_ne
-        self.train_data, self.eval_data = train_data, eval_data
+        self.train_data, self.eval_data, self.train_split = train_data, eval_data, train_split
         self.rank_dir = os.path.join(run_dir, f"rank{ctx.rank}")
         os.makedirs(self.rank_dir, exist_ok=True)
         baseline_config = baseline_config or BaselineConfig()
@@ -356,7 +378,7 @@ class Trainer:
         ``profile`` (every rank's in ``rank<r>/profile.json``).
         """
         cfg = self.cfg
-        batches = iter(self.train_data(self.start_step))
+        batches = self._train_batches()
         bar = None
         if self.ctx.is_main and cfg.progress_bar:
             from tqdm import tqdm
@@ -371,10 +393,11 @@ class Trainer:
             torch.cuda.synchronize(self.ctx.device)
         profiler = self._step_profiler()
         wall0 = time.perf_counter()
+        last_end = wall0  # without train.step_sync a step's time runs from the previous step's end
         while step < cfg.steps:
             if profiler is not None:
                 profiler.before_step(step + 1)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if cfg.step_sync else last_end
             try:
                 loss, logits, labels = self.pipeline.progress(batches)
             except StopIteration:
@@ -386,10 +409,14 @@ class Trainer:
             if self.probe is not None:
                 self.probe.on_step_end(step)
             self._show_plan_if_new(bar)
-            if cuda:
-                torch.cuda.synchronize(self.ctx.device)
-            seconds = time.perf_counter() - t0
-            if profiler is None or not profiler.after_step(step):  # a profiled step is slower: not timed
+            if cuda and (cfg.step_sync or step in (cfg.timing_start, cfg.steps)):
+                torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
+            last_end = time.perf_counter()
+            seconds = last_end - t0
+            profiled = profiler is not None and profiler.after_step(step)
+            if profiled:  # a profiled step is slower: not timed; nor is the profiler's own work after it
+                last_end = self._restart_step_clock()
+            else:
                 step_times.append(seconds)
                 timed_steps.append(step)
                 if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
@@ -404,8 +431,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record.get('train/ne', float('nan')):.4f}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+                last_end = self._restart_step_clock()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 self.save(step)
+                last_end = self._restart_step_clock()
             if bar is not None:
                 bar.update(1)
         train_seconds = time.perf_counter() - wall0
@@ -442,6 +471,8 @@ class Trainer:
             "sharding_group_size": cfg.sharding_group_size,
             "sync_every": cfg.sync_every if cfg.sharding_group_size is not None else None,
             "deterministic": cfg.deterministic,
+            "step_sync": cfg.step_sync,
+            "data_workers": self._data_workers,
             "train_ne": last_train.get("train/ne"),
             "train_auc": last_train.get("train/auc"),
             "eval_ne": final_eval.get("ne"),
@@ -457,6 +488,28 @@ class Trainer:
         if self.ctx.is_main:
             write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary, default=str)
         return summary
+
+    def _train_batches(self):
+        """This rank's train batches from the resumed step on, made by ``train.data_workers``
+        loader processes where the data has random access (else in the loop)."""
+        from loka_torchrec.training.prefetch import resolve_workers, train_batches
+
+        workers = resolve_workers(self.cfg.data_workers, self.ctx.device)
+        self._data_workers = workers if self.train_split is not None else 0
+        if workers and self.train_split is not None:
+            return train_batches(
+                self.train_split, self.start_step, workers=workers, pin_memory=self.ctx.device.type == "cuda"
+            )
+        if workers and self.cfg.data_workers:
+            logger.warning("train.data_workers=%d: this data has no random access; batches are made in the loop", workers)
+        return iter(self.train_data(self.start_step))
+
+    def _restart_step_clock(self) -> float:
+        """After work that is not a training step (eval, checkpoint, profiler set-up): drain the GPU
+        and start the next step's clock now."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        return time.perf_counter()
 
     def _probe_cost(self, steps: List[int], seconds: List[float]) -> Optional[Dict[str, Any]]:
         """The Probe's extra time in this run, from its own step times (:mod:`loka_torchrec.probe.cost`)."""
@@ -569,6 +622,7 @@ class Trainer:
             "layer_checks": [e for e in self.loka.dispatcher.events if e.get("event") == "layer_check"],
             "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
             "cuda_graphs": self._cuda_graph_summary(),
+            "dense_graphs": [g.summary() for g in self.loka.dense_graphs.values()],
         }
 
     def _cuda_graph_summary(self) -> Optional[Dict[str, Any]]:
