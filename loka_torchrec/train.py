@@ -140,7 +140,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         for dense in loka.get("dense_graphs") or []:
             lines.append(
                 f"dense graphs     {dense['module']}: {dense['captures']} capture(s), {dense['replays']} replays, "
-                f"{dense['eager_calls']} eager calls" + (f"; failed: {dense['failure']}" if dense["failure"] else "")
+                f"{dense['eager_calls']} eager calls"
+                + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(dense.get('eager_reasons', {}).items()))})"
+                   if dense.get("eager_reasons") else "")
+                + (f"; failed: {dense['failure']}" if dense["failure"] else "")
             )
         if loka.get("step_guard"):
             lines.append(f"step-time guard   {loka['step_guard']}")

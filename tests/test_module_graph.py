@@ -82,7 +82,10 @@ def test_cpu_calls_run_the_module_itself_and_count():
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     g = graphs["over_arch"]
     assert g.captures == 0 and g.replays == 0 and g.eager_calls == 4 and g.failure is None
-    assert g.summary() == {"module": "over_arch", "captures": 0, "replays": 0, "eager_calls": 4, "failure": None}
+    assert g.summary() == {
+        "module": "over_arch", "captures": 0, "replays": 0, "eager_calls": 4,
+        "eager_reasons": {"not CUDA tensors": 4}, "failure": None,
+    }
     g.remove()
     assert "forward" not in model.over_arch.__dict__
 
@@ -120,6 +123,62 @@ def test_apply_installs_dense_graphs_and_reports_them():
     assert report.dispatcher.times_in_graphs is True
     plain = loka_torchrec.apply(Model(), DispatchConfig(mode="all-bf16"))
     assert plain.dense_graphs == {} and plain.dispatcher.times_in_graphs is False
+
+
+_FAKE_CAPTURE_JOB = r"""
+import os, sys, json, torch
+import loka_torchrec.dispatch.module_graph as mg
+
+class FakeCall:  # stands in for a captured call: replays by running the module's own forward
+    def __init__(self, owner, leaves, spec, autocast_state, warmup):
+        self.owner, self.spec = owner, spec
+        self.params = [p for p in owner.module.parameters() if p.requires_grad]
+        self.param_stamp = tuple(p.data_ptr() for p in self.params)
+        self.tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.out_spec = mg.pytree.tree_flatten(torch.zeros(1))[1]
+    def busy(self):
+        return False
+
+class FakeReplay:
+    @staticmethod
+    def apply(call, *tensors):
+        args = mg.pytree.tree_unflatten(list(tensors[: len(call.tensor_slots)]), call.spec)
+        with call.owner.bypass():
+            return (call.owner.module(*args),)
+
+mg._capturable, mg._CapturedCall, mg._ModuleReplay = (lambda tensors: True), FakeCall, FakeReplay
+os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from loka_torchrec.train import run
+cfg = {"device": "cpu", "seed": 0, "model": {"name": "dhen", "embedding_dim": 32},
+       "data": {"kind": "pooled", "num_tables": 3, "num_embeddings": 100, "embedding_dim": 32, "batch_size": 64,
+                "eval_batches": 2},
+       "train": {"steps": 8, "progress_bar": False, "log_every": 4, "autocast": "bf16"},
+       "loka": {"enabled": True, "dispatch": {"mode": "all-bf16", "dense_graphs": True}, "mods": {"preset": "all"}}}
+summary = run(cfg, sys.argv[1])
+print("DENSE", json.dumps(summary["loka"]["dense_graphs"]))
+"""
+
+
+@pytest.mark.slow
+def test_in_a_dmp_job_the_dense_module_replays_after_its_warm_up(tmp_path):
+    """The bookkeeping in TorchRec's real pipeline on a CPU, the capture faked: a sharded module's
+    output arrives as an awaitable, every call must still find the same key (it once did not)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAKE_CAPTURE_JOB, str(tmp_path / "run"), "29641"],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (dense,) = json.loads(proc.stdout.split("DENSE", 1)[1])
+    assert dense["module"] == "over_arch" and dense["failure"] is None
+    # 8 train steps: 2 eager while the key warms up, a capture, then replays; 2 eval calls eager
+    assert dense["captures"] == 1 and dense["replays"] == 6
+    assert dense["eager_reasons"] == {"warming up": 2, "eval or no_grad": 2}
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -198,7 +257,9 @@ def test_gpu_fp8_layers_and_a_plan_change_recapture():
 
     def make():
         model = Model(device=dev)
-        convert_linears(model, DispatchConfig(mode="all:scaled_mm:rowwise", min_features=16))
+        layers, _ = convert_linears(model, DispatchConfig(min_features=16))
+        for layer in layers.values():
+            layer.set_kernels(ROWWISE)  # FP8 first; bf16 from step 3 on
         return model
 
     def switch(step, eager, graphed):

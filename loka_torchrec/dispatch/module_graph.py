@@ -14,8 +14,9 @@ communication stay eager, as TorchRec runs them.
 
 How (the scheme of ``torch.cuda.make_graphed_callables``, with eager fallbacks):
 
-1. A training call (grad on, module in train mode, positional arguments only) flattens its
-   arguments with ``torch.utils._pytree`` (tensors, tuples, TorchRec ``KeyedTensor``\\ s) and
+1. A training call (grad on, module in train mode, positional arguments only) waits for TorchRec
+   awaitables among its arguments (a sharded module's output), flattens them with
+   ``torch.utils._pytree`` (tensors, tuples, TorchRec ``KeyedTensor``\\ s) and
    forms a key: the argument structure, every tensor's shape, dtype and ``requires_grad``, the
    autocast state, and the kernels of every ``LokaLinear`` inside (a new dispatch plan is a new
    key).
@@ -63,6 +64,22 @@ logger = logging.getLogger(__name__)
 def _is_compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def _resolved(args: Tuple) -> Tuple:
+    """``args`` with TorchRec awaitables waited for: a sharded module hands its output on as a
+    ``LazyAwaitable`` (its ``KeyedTensor`` once waited for), which the module would wait for at
+    first use anyway."""
+    try:
+        from torchrec.distributed.types import Awaitable
+    except ImportError:  # no TorchRec: nothing to wait for
+        return args
+    return tuple(a.wait() if isinstance(a, Awaitable) else a for a in args)
+
+
+def _capturable(tensors: Sequence[torch.Tensor]) -> bool:
+    """CUDA graphs need every argument tensor on a CUDA device."""
+    return all(t.is_cuda for t in tensors)
 
 
 def _spec_key(spec) -> Any:
@@ -215,6 +232,8 @@ class ModuleGraphs:
     Attributes:
         failure: why capturing failed (the module then stays eager), else ``None``.
         captures, replays, eager_calls: counters for the run summary.
+        eager_reasons: eager calls by reason (``"eval or no_grad"``, ``"hooks"``, ``"warming up"``,
+            ``"busy"``, ...).
     """
 
     def __init__(self, module: nn.Module, name: str = "", *, capture_after: int = 3, max_graphs: int = 2, warmup: int = 2) -> None:
@@ -232,6 +251,7 @@ class ModuleGraphs:
         self._dispatched = [m for m in self._submodules if hasattr(m, "kernels") and hasattr(m, "set_kernels")]
         self.failure: Optional[str] = None
         self.captures = self.replays = self.eager_calls = 0
+        self.eager_reasons: "collections.Counter[str]" = collections.Counter()
         module.forward = self  # an instance attribute: nn.Module.__call__ finds it first
 
     def remove(self) -> None:
@@ -251,25 +271,31 @@ class ModuleGraphs:
 
     def summary(self) -> Dict[str, Any]:
         return {"module": self.name, "captures": self.captures, "replays": self.replays,
-                "eager_calls": self.eager_calls, "failure": self.failure}  # fmt: skip
+                "eager_calls": self.eager_calls, "eager_reasons": dict(self.eager_reasons),
+                "failure": self.failure}  # fmt: skip
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args, **kwargs):
         if self._bypass:
             return self.eager(*args, **kwargs)
-        out = None if kwargs else self._try_replay(args)
-        if out is None:
+        out = "keyword arguments" if kwargs else self._try_replay(args)
+        if isinstance(out, str):  # why this call runs eagerly
             self.eager_calls += 1
+            self.eager_reasons[out] += 1
             return self.eager(*args, **kwargs)
         return out
 
-    def _try_replay(self, args: Tuple) -> Optional[Any]:
-        if self.failure is not None or not self._eligible():
-            return None
-        leaves, spec = pytree.tree_flatten(args)
+    def _try_replay(self, args: Tuple) -> Any:
+        """The outputs from a replay, or a string: why this call must run eagerly."""
+        if self.failure is not None:
+            return "capture failed"
+        why = self._ineligible()
+        if why is not None:
+            return why
+        leaves, spec = pytree.tree_flatten(_resolved(args))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        if not tensors or not all(t.is_cuda for t in tensors):
-            return None
+        if not tensors or not _capturable(tensors):
+            return "not CUDA tensors"
         device_type = tensors[0].device.type
         autocast_state = _autocast_state(device_type)
         key = (
@@ -288,27 +314,32 @@ class ModuleGraphs:
             if len(self._seen) > 16 * self.max_graphs:
                 self._seen.popitem(last=False)
             if seen < self.capture_after:
-                return None
+                return "warming up"
             call = self._capture(key, leaves, spec, autocast_state)
             if call is None:
-                return None
+                return "capture failed"
         self._calls.move_to_end(key)
         if call.busy():
-            return None
+            return "busy"
         self.replays += 1
         outputs = _ModuleReplay.apply(call, *[leaves[i] for i in call.tensor_slots], *call.params)
         return pytree.tree_unflatten(list(outputs), call.out_spec)
 
-    def _eligible(self) -> bool:
-        if not (self.module.training and torch.is_grad_enabled()) or capturing() or _is_compiling():
-            return False
+    def _ineligible(self) -> Optional[str]:
+        """Why no call in the current state may replay, or ``None``."""
+        if not (self.module.training and torch.is_grad_enabled()):
+            return "eval or no_grad"
+        if capturing() or _is_compiling():
+            return "inside a capture or a compile"
         hooks = nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
-            return False
-        return not any(
+            return "global module hooks"
+        if any(
             m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
             for m in self._submodules
-        )
+        ):
+            return "module hooks"
+        return None
 
     def _capture(self, key, leaves, spec, autocast_state) -> Optional[_CapturedCall]:
         try:
