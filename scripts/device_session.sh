@@ -31,6 +31,11 @@
 #                                             forced to FP8 under dense graphs
 #   bash scripts/device_session.sh dense2     DHEN large seed 1 and DLRM large seed 0: bf16,
 #                                             bf16_graphs, loka_dense_graphs
+#   bash scripts/device_session.sh baselines2 DHEN large seed 0: bf16, bf16_graphs, bf16_nomods, TE,
+#                                             torchao tensorwise and rowwise_with_gw_hp
+#   bash scripts/device_session.sh hstu2      GPU tests (dense graphs, metrics, layer graphs); HSTU
+#                                             large bf16 vs loka, deterministic, 2 seeds; DLRM large
+#                                             seed 1: bf16, bf16_graphs, loka_dense_graphs
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
 #     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
@@ -215,8 +220,35 @@ case $stage in
     tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
     OUT=$results
     ;;
+  baselines2)
+    # DHEN large, seed 0, as the job now runs (loader workers, no per-step sync): bf16, bf16 with
+    # dense graphs, bf16 without Mods, Transformer Engine, torchao tensorwise and rowwise_with_gw_hp
+    # (torchao rowwise: stage harness). Needs the te and torchao profiles installed.
+    results=$OUT
+    OUT=$WORK/results && mkdir -p "$OUT"
+    e2e e2e-dhen-1gpu-baselines "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 \
+      --runs bf16,bf16_graphs,bf16_nomods,te,torchao_tensorwise,torchao_rowwise_with_gw_hp --run-timeout 100
+    cp "$OUT"/*.md "$results"/
+    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
+    OUT=$results
+    ;;
+  hstu2)
+    # The dense-graph and metrics GPU tests; HSTU large bf16 vs LoKA with deterministic kernels on
+    # two seeds (is the NE difference LoKA's?); DLRM large seed 1: bf16, bf16_graphs, loka_dense_graphs.
+    gpu_tests 100 tests/test_module_graph.py tests/test_metrics.py tests/test_layer_graph.py
+    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-final.txt"
+    results=$OUT
+    OUT=$WORK/results && mkdir -p "$OUT"
+    e2e e2e-hstu-1gpu-deterministic "$(( ($(left) - 20) / 2 + 30 ))" --recipes hstu_large --seeds 0,1 --runs bf16,loka \
+      --deterministic --run-timeout 100
+    e2e e2e-dlrm-1gpu-dense-seed1 "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 1 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
+    cp "$OUT"/*.md "$results"/
+    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
+    OUT=$results
+    ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2)" >&2
     exit 2
     ;;
 esac

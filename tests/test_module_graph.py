@@ -182,8 +182,19 @@ def test_in_a_dmp_job_the_dense_module_replays_after_its_warm_up(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def _train_side_by_side(make_model, make_args, *, steps=6, autocast=False, after_step=None):
-    """Train a graphed model and an eager twin with the same data; returns both and the graphs."""
+def _assert_same(got, want, exact, what):
+    if exact:  # bf16 GEMMs and elementwise kernels: the replay runs the very same kernels
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=what)
+    else:  # FP8 GEMMs: cuBLAS may pick another algorithm inside a capture (see test_layer_graph)
+        scale = float(want.abs().max()) or 1.0
+        torch.testing.assert_close(got, want, rtol=2**-8, atol=scale * 2**-9, msg=what)
+
+
+def _train_side_by_side(make_model, make_args, *, steps=6, autocast=False, after_step=None, exact=True):
+    """Train a graphed model and an eager twin with the same data; returns both and the graphs.
+
+    Outputs are compared at every step and the parameters at the end: bit for bit (``exact``), or
+    within FP8 GEMMs' run-to-run freedom, which Adagrad then carries into the parameters."""
     torch.manual_seed(0)
     eager = make_model()
     graphed = copy.deepcopy(eager)
@@ -201,11 +212,14 @@ def _train_side_by_side(make_model, make_args, *, steps=6, autocast=False, after
             loss.backward()
             opt.step()
             outs.append(y.detach().float())
-        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, msg=f"step {step}")
+        _assert_same(outs[1], outs[0], exact, f"step {step}")
         if after_step is not None:
             after_step(step, eager, graphed)
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
-        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+        if exact:
+            torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+        else:  # an update is lr-sized (0.05): a 2^-8 relative gradient difference moves it ~2e-4
+            torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-3, msg=name)
     return eager, graphed, graphs
 
 
@@ -270,7 +284,7 @@ def test_gpu_fp8_layers_and_a_plan_change_recapture():
                         m.set_kernels(LayerKernels())
 
     _, graphed, graphs = _train_side_by_side(make, lambda step: (torch.randn(64, 16, device=dev),), steps=8,
-                                             autocast=True, after_step=switch)  # fmt: skip
+                                             autocast=True, after_step=switch, exact=False)  # fmt: skip
     assert graphs.failure is None and graphs.captures == 2
 
 
