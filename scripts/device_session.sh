@@ -36,6 +36,8 @@
 #   bash scripts/device_session.sh hstu2      GPU tests (dense graphs, metrics, layer graphs); HSTU
 #                                             large bf16 vs loka, deterministic, 2 seeds; DLRM large
 #                                             seed 1: bf16, bf16_graphs, loka_dense_graphs
+#   bash scripts/device_session.sh final      dense-graph GPU tests; DLRM large seed 0 with the
+#                                             default loader workers; DHEN torchao rowwise_with_gw_hp
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
 #     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
@@ -247,8 +249,23 @@ case $stage in
     tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
     OUT=$results
     ;;
+  final)
+    # The dense-graph GPU tests; DLRM large seed 0 again with the default loader workers (8 on a
+    # 16-core host: 26 tables a batch are slow to make); DHEN large torchao rowwise_with_gw_hp.
+    gpu_tests 60 tests/test_module_graph.py
+    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-dense-final.txt"
+    results=$OUT
+    OUT=$WORK/results && mkdir -p "$OUT"
+    e2e e2e-dlrm-1gpu-dense-workers8 "$(( $(left) - 110 ))" --recipes dlrm_large --seeds 0 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 90
+    e2e e2e-dhen-1gpu-torchao-gw-hp "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 \
+      --runs torchao_rowwise_with_gw_hp --run-timeout 100
+    cp "$OUT"/*.md "$results"/
+    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
+    OUT=$results
+    ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final)" >&2
     exit 2
     ;;
 esac

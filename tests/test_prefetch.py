@@ -64,10 +64,15 @@ def test_bad_start_is_refused():
         train_batches(_pooled_split(), -1, workers=1)
 
 
-def test_default_workers_by_device():
+def test_default_workers_by_device(monkeypatch):
     assert resolve_workers(None, torch.device("cpu")) == 0
-    assert resolve_workers(None, torch.device("cuda", 0)) == 4
     assert resolve_workers(2, torch.device("cpu")) == 2
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert resolve_workers(None, torch.device("cuda", 0)) == 8  # one GPU on 16 cores
+    assert resolve_workers(None, torch.device("cuda", 0), local_world_size=2) == 4
+    assert resolve_workers(None, torch.device("cuda", 0), local_world_size=8) == 2  # never fewer than 2
+    monkeypatch.setattr("os.cpu_count", lambda: 128)
+    assert resolve_workers(None, torch.device("cuda", 0), local_world_size=8) == 8  # never more than 8
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "four", True])

@@ -106,8 +106,9 @@ class TrainConfig:
             they are synced before each evaluation.
         data_workers: worker processes that make train batches ahead of the loop
             (:mod:`loka_torchrec.training.prefetch`; batches come in the same order as without
-            them, in pinned memory on CUDA). ``None``: 4 on CUDA, 0 on a CPU; 0 makes each batch
-            in the loop, where its time lands in the step.
+            them, in pinned memory on CUDA). ``None``: 0 on a CPU, on CUDA half of the rank's
+            share of the host's cores, 2 to 8 (:func:`~loka_torchrec.training.prefetch.resolve_workers`);
+            0 makes each batch in the loop, where its time lands in the step.
         step_sync: ``torch.cuda.synchronize`` at the end of every step, so that each step's time
             holds exactly its own GPU work. It also stops the host from queueing the next step
             while the GPU still runs this one, which a training job never does, so step times
@@ -147,7 +148,7 @@ class TrainConfig:
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.data_workers is not None and (type(self.data_workers) is not int or self.data_workers < 0):
             raise ValueError(
-                f"train.data_workers: expected null (4 on CUDA, 0 on a CPU) or an int >= 0, got {self.data_workers!r}"
+                f"train.data_workers: expected null (the default: 0 on a CPU, 2 to 8 on CUDA) or an int >= 0, got {self.data_workers!r}"
             )
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
@@ -494,7 +495,7 @@ class Trainer:
         loader processes where the data has random access (else in the loop)."""
         from loka_torchrec.training.prefetch import resolve_workers, train_batches
 
-        workers = resolve_workers(self.cfg.data_workers, self.ctx.device)
+        workers = resolve_workers(self.cfg.data_workers, self.ctx.device, local_world_size=self.ctx.local_world_size)
         self._data_workers = workers if self.train_split is not None else 0
         if workers and self.train_split is not None:
             return train_batches(
