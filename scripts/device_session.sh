@@ -82,12 +82,24 @@ e2e() {  # e2e NAME LIMIT_S ARGS...: one benchmarks/e2e_compare.py invocation, i
   tail -n 25 "$WORK/$name.log"
 }
 
-gpu_tests() {  # gpu_tests LIMIT_S TEST_FILE...: the GPU tests; the whole output (a failed capture's logged traceback included) to $OUT/gpu-tests-graphs.txt
+gpu_tests() {  # gpu_tests LIMIT_S TEST_FILE...: the GPU tests; the whole output (a failed capture's logged traceback included) to $OUT/gpu-tests-$stage.txt
   local limit=$1
   shift
   timeout "$limit" python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= "$@" > "$WORK/pytest-gpu.log" 2>&1
-  grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-graphs.txt"
+  grep -v "_fbgemm_torch_compat_table\|cannot determine compatibility" "$WORK/pytest-gpu.log" | tail -c 60000 > "$OUT/gpu-tests-$stage.txt"
   tail -n 15 "$WORK/pytest-gpu.log"
+}
+
+# At most 8 files come back from a call: between packed_begin and packed_end the e2e files go to
+# $WORK/results, and only their tables (.md) come back as they are, the rest in one tarball.
+packed_begin() {
+  RESULTS=$OUT
+  OUT=$WORK/results && mkdir -p "$OUT"
+}
+packed_end() {
+  cp "$OUT"/*.md "$RESULTS"/
+  tar -czf "$RESULTS/$stage-results.tar.gz" -C "$OUT" .
+  OUT=$RESULTS
 }
 
 pack() {  # the runs' own files (plans, events, probe logs, summaries) and the logs, in one tarball
@@ -176,10 +188,7 @@ case $stage in
     ;;
   harness)
     gpu_tests 60 tests/test_metrics.py
-    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-metrics.txt"
-    # At most 8 files come back: the tables (.md) as they are, the rest packed.
-    results=$OUT
-    OUT=$WORK/results && mkdir -p "$OUT"
+    packed_begin
     e2e e2e-dhen-timing-sync-inline 100 --recipes dhen_large --seeds 0 --runs bf16 --run-timeout 90 \
       --override train.step_sync=true --override train.data_workers=0
     e2e e2e-dhen-timing-sync-workers 100 --recipes dhen_large --seeds 0 --runs bf16 --run-timeout 90 \
@@ -189,80 +198,60 @@ case $stage in
     e2e e2e-dhen-forced-fp8-graphs "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 --runs loka_graphs --run-timeout 90 \
       --override loka.dispatch.mode=all:scaled_mm:rowwise --override loka.dispatch.layer_check_reps=0 \
       --override loka.dispatch.step_guard_window=0
-    cp "$OUT"/*.md "$results"/
-    tar -czf "$results/harness-results.tar.gz" -C "$OUT" .
-    OUT=$results
+    packed_end
     ;;
   dense)
     # Dense CUDA graphs (loka.dispatch.dense_graphs): their GPU tests, then DHEN large, seed 0:
     # bf16, bf16 with dense graphs, LoKA with dense graphs, and every GEMM forced to FP8 with dense
     # graphs (no layer check, no guard): what FP8 adds once the step is GPU-bound.
     gpu_tests 120 tests/test_module_graph.py tests/test_layer_graph.py
-    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-dense.txt"
-    results=$OUT
-    OUT=$WORK/results && mkdir -p "$OUT"
+    packed_begin
     e2e e2e-dhen-1gpu-dense "$(( $(left) - 110 ))" --recipes dhen_large --seeds 0 \
       --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
     e2e e2e-dhen-forced-fp8-dense "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 --runs loka_dense_graphs \
       --run-timeout 90 --override loka.dispatch.mode=all:scaled_mm:rowwise --override loka.dispatch.layer_check_reps=0 \
       --override loka.dispatch.step_guard_window=0
-    cp "$OUT"/*.md "$results"/
-    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
-    OUT=$results
+    packed_end
     ;;
   dense2)
     # The second seed of DHEN large and DLRM large, bf16 / bf16 with dense graphs / LoKA with them.
-    results=$OUT
-    OUT=$WORK/results && mkdir -p "$OUT"
+    packed_begin
     e2e e2e-dhen-1gpu-dense-seed1 "$(( ($(left) - 20) / 2 ))" --recipes dhen_large --seeds 1 \
       --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
     e2e e2e-dlrm-1gpu-dense "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 \
       --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
-    cp "$OUT"/*.md "$results"/
-    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
-    OUT=$results
+    packed_end
     ;;
   baselines2)
     # DHEN large, seed 0, as the job now runs (loader workers, no per-step sync): bf16, bf16 with
     # dense graphs, bf16 without Mods, Transformer Engine, torchao tensorwise and rowwise_with_gw_hp
     # (torchao rowwise: stage harness). Needs the te and torchao profiles installed.
-    results=$OUT
-    OUT=$WORK/results && mkdir -p "$OUT"
+    packed_begin
     e2e e2e-dhen-1gpu-baselines "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 \
       --runs bf16,bf16_graphs,bf16_nomods,te,torchao_tensorwise,torchao_rowwise_with_gw_hp --run-timeout 100
-    cp "$OUT"/*.md "$results"/
-    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
-    OUT=$results
+    packed_end
     ;;
   hstu2)
     # The dense-graph and metrics GPU tests; HSTU large bf16 vs LoKA with deterministic kernels on
     # two seeds (is the NE difference LoKA's?); DLRM large seed 1: bf16, bf16_graphs, loka_dense_graphs.
     gpu_tests 100 tests/test_module_graph.py tests/test_metrics.py tests/test_layer_graph.py
-    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-final.txt"
-    results=$OUT
-    OUT=$WORK/results && mkdir -p "$OUT"
+    packed_begin
     e2e e2e-hstu-1gpu-deterministic "$(( ($(left) - 20) / 2 + 30 ))" --recipes hstu_large --seeds 0,1 --runs bf16,loka \
       --deterministic --run-timeout 100
     e2e e2e-dlrm-1gpu-dense-seed1 "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 1 \
       --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 100
-    cp "$OUT"/*.md "$results"/
-    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
-    OUT=$results
+    packed_end
     ;;
   final)
     # The dense-graph GPU tests; DLRM large seed 0 again with the default loader workers (8 on a
     # 16-core host: 26 tables a batch are slow to make); DHEN large torchao rowwise_with_gw_hp.
     gpu_tests 60 tests/test_module_graph.py
-    mv "$OUT/gpu-tests-graphs.txt" "$OUT/gpu-tests-dense-final.txt"
-    results=$OUT
-    OUT=$WORK/results && mkdir -p "$OUT"
+    packed_begin
     e2e e2e-dlrm-1gpu-dense-workers8 "$(( $(left) - 110 ))" --recipes dlrm_large --seeds 0 \
       --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 90
     e2e e2e-dhen-1gpu-torchao-gw-hp "$(( $(left) - 20 ))" --recipes dhen_large --seeds 0 \
       --runs torchao_rowwise_with_gw_hp --run-timeout 100
-    cp "$OUT"/*.md "$results"/
-    tar -czf "$results/$stage-results.tar.gz" -C "$OUT" .
-    OUT=$results
+    packed_end
     ;;
   *)
     echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final)" >&2

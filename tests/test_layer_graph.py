@@ -368,3 +368,14 @@ def test_a_failed_capture_leaves_the_layer_eager(monkeypatch, caplog):
     assert "running eagerly" in caplog.text
     graphed.set_kernels(EMULATED)  # a new plan clears the failure: the next shape may be captured
     assert graphed.graphs.failure is None
+
+
+def test_sightings_count_and_forget_the_oldest_keys():
+    from loka_torchrec.dispatch.layer_graph import Sightings
+
+    seen = Sightings(limit=2)
+    assert [seen.add("a"), seen.add("a"), seen.add("b")] == [1, 2, 1]
+    seen.add("c")  # three keys: "a", the least recently seen, is forgotten
+    assert seen.add("a") == 1 and seen.add("c") == 2
+    seen.clear()
+    assert seen.add("c") == 1

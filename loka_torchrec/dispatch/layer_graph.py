@@ -47,7 +47,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["LayerGraphs", "capturing", "release_generator"]
+__all__ = ["LayerGraphs", "Sightings", "capturing", "release_generator"]
 
 logger = logging.getLogger(__name__)
 _traceback_logged = False  # the first failed capture in a process is logged with its traceback
@@ -75,6 +75,26 @@ def release_generator(device: torch.device) -> None:
             del graph
     except Exception as exc:  # the device itself is in error: nothing more to do here
         logger.warning("could not reset the CUDA generator of %s after a failed capture: %s", device, exc)
+
+
+class Sightings:
+    """How many times each key (an input shape, a plan) was seen; the most recent ``limit`` keys
+    are kept, so that jagged inputs whose shape changes every step cannot grow it without bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._counts: "collections.OrderedDict[Tuple, int]" = collections.OrderedDict()
+
+    def add(self, key) -> int:
+        """Count one more sighting of ``key``; returns its count."""
+        count = self._counts.pop(key, 0) + 1
+        self._counts[key] = count
+        if len(self._counts) > self.limit:
+            self._counts.popitem(last=False)
+        return count
+
+    def clear(self) -> None:
+        self._counts.clear()
 
 
 class _CapturedStep:
@@ -195,7 +215,7 @@ class LayerGraphs:
             raise ValueError("LayerGraphs: capture_after, max_graphs and warmup must be >= 1")
         self.capture_after, self.max_graphs, self.warmup = capture_after, max_graphs, warmup
         self._steps: "collections.OrderedDict[Tuple, _CapturedStep]" = collections.OrderedDict()
-        self._seen: "collections.OrderedDict[Tuple, int]" = collections.OrderedDict()
+        self._seen = Sightings(16 * max_graphs)
         self.failure: Optional[str] = None
         self.captures = 0
         self.replays = 0
@@ -229,11 +249,7 @@ class LayerGraphs:
             del self._steps[key]  # the layer's parameters were replaced: capture again
             step = None
         if step is None:
-            seen = self._seen.pop(key, 0) + 1
-            self._seen[key] = seen
-            if len(self._seen) > 16 * self.max_graphs:
-                self._seen.popitem(last=False)
-            if seen < self.capture_after:
+            if self._seen.add(key) < self.capture_after:
                 return None
             step = self._capture(layer, plan, x2d, key)
             if step is None:

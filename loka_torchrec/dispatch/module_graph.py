@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from loka_torchrec.dispatch.layer_graph import capturing, release_generator
+from loka_torchrec.dispatch.layer_graph import Sightings, capturing, release_generator
 
 __all__ = ["ModuleGraphs", "graph_dense_modules", "default_dense_modules"]
 
@@ -67,14 +67,22 @@ def _is_compiling() -> bool:
 
 
 def _resolved(args: Tuple) -> Tuple:
-    """``args`` with TorchRec awaitables waited for: a sharded module hands its output on as a
-    ``LazyAwaitable`` (its ``KeyedTensor`` once waited for), which the module would wait for at
-    first use anyway."""
+    """``args`` with TorchRec's lazy awaitables resolved: a sharded module hands its output on as
+    a ``LazyAwaitable`` (its ``KeyedTensor`` once waited for), which the module would resolve at
+    first use anyway. Resolved as TorchRec resolves them, once: the result is kept on the
+    awaitable, so a later use of the same object gets it again instead of waiting twice."""
     try:
-        from torchrec.distributed.types import Awaitable
+        from torchrec.distributed.types import LazyAwaitable
     except ImportError:  # no TorchRec: nothing to wait for
         return args
-    return tuple(a.wait() if isinstance(a, Awaitable) else a for a in args)
+    out = []
+    for a in args:
+        if isinstance(a, LazyAwaitable):
+            if getattr(a, "_result", None) is None:
+                a._result = a.wait()
+            a = a._result
+        out.append(a)
+    return tuple(out)
 
 
 def _capturable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -245,7 +253,7 @@ class ModuleGraphs:
         self.capture_after, self.max_graphs, self.warmup = capture_after, max_graphs, warmup
         self.eager: Callable[..., Any] = module.forward
         self._calls: "collections.OrderedDict[Any, _CapturedCall]" = collections.OrderedDict()
-        self._seen: "collections.OrderedDict[Any, int]" = collections.OrderedDict()
+        self._seen = Sightings(16 * max_graphs)
         self._bypass = False
         self._submodules = list(module.modules())
         self._dispatched = [m for m in self._submodules if hasattr(m, "kernels") and hasattr(m, "set_kernels")]
@@ -278,6 +286,7 @@ class ModuleGraphs:
     def __call__(self, *args, **kwargs):
         if self._bypass:
             return self.eager(*args, **kwargs)
+        args = _resolved(args)  # once, for the replay and the eager forward alike
         out = "keyword arguments" if kwargs else self._try_replay(args)
         if isinstance(out, str):  # why this call runs eagerly
             self.eager_calls += 1
@@ -292,7 +301,7 @@ class ModuleGraphs:
         why = self._ineligible()
         if why is not None:
             return why
-        leaves, spec = pytree.tree_flatten(_resolved(args))
+        leaves, spec = pytree.tree_flatten(args)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if not tensors or not _capturable(tensors):
             return "not CUDA tensors"
@@ -309,11 +318,7 @@ class ModuleGraphs:
             del self._calls[key]  # parameters were replaced (not updated in place): capture again
             call = None
         if call is None:
-            seen = self._seen.pop(key, 0) + 1
-            self._seen[key] = seen
-            if len(self._seen) > 16 * self.max_graphs:
-                self._seen.popitem(last=False)
-            if seen < self.capture_after:
+            if self._seen.add(key) < self.capture_after:
                 return "warming up"
             call = self._capture(key, leaves, spec, autocast_state)
             if call is None:
