@@ -85,3 +85,15 @@ def test_train_config_refuses_non_bool_step_sync():
     with pytest.raises(ValueError, match="train.step_sync"):
         TrainConfig(step_sync="yes")
     assert TrainConfig().step_sync is False and TrainConfig().data_workers is None
+
+
+def test_batch_cost_benchmark_times_a_recipe_batch():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "synthetic_batch_cost.py")
+    spec = importlib.util.spec_from_file_location("synthetic_batch_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert 0.0 < bench.batch_ms("dhen", 2) < 10_000.0  # the small recipe: batches of 256
+    assert 0.0 < bench.batch_ms("hstu", 2) < 10_000.0  # sequence data goes through the same path

@@ -1,6 +1,6 @@
 """Train batches made in background worker processes, in the same order as made in line.
 
-The synthetic datasets make each batch on the CPU (ids, a teacher's labels): about 17 ms for a
+The synthetic datasets make each batch on the CPU (ids, a teacher's labels): 18 ms for a
 DHEN-large batch of 8192 samples on one core. Made in the training loop, that time lands in
 every step and the GPU waits for it; a real job reads its data in loader workers instead.
 :func:`train_batches` does the same with ``torch.utils.data.DataLoader`` worker processes.
@@ -37,7 +37,7 @@ class RandomAccessSplit(Protocol):
 def resolve_workers(workers: Optional[int], device: torch.device, *, local_world_size: int = 1) -> int:
     """``train.data_workers``: an int is taken as it is; ``None`` means none on a CPU (where the
     ranks already use the cores) and, on CUDA, half of this rank's share of the host's cores, from
-    2 to 8 (8 on a 16-core host with one GPU: a DLRM-large batch of 26 tables takes about 60 ms
+    2 to 8 (8 on a 16-core host with one GPU: a DLRM-large batch of 26 tables takes 71 ms
     to make on one core)."""
     if workers is not None:
         return int(workers)
