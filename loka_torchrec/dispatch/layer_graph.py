@@ -47,7 +47,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["LayerGraphs", "Sightings", "capturing", "release_generator"]
+__all__ = ["LayerGraphs", "Sightings", "capturing", "compiling", "release_generator"]
 
 logger = logging.getLogger(__name__)
 _traceback_logged = False  # the first failed capture in a process is logged with its traceback
@@ -56,6 +56,14 @@ _traceback_logged = False  # the first failed capture in a process is logged wit
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` (Dynamo) traces the calling code."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return bool(compiler.is_compiling())
+    return bool(torch._dynamo.is_compiling())  # older spelling
 
 
 def release_generator(device: torch.device) -> None:

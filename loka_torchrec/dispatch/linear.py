@@ -62,7 +62,7 @@ from torch import nn
 
 from loka_torchrec.dispatch.backends import GemmBackend, get_backend
 from loka_torchrec.dispatch.backends.high_precision import high_precision_dtype
-from loka_torchrec.dispatch.layer_graph import LayerGraphs, capturing
+from loka_torchrec.dispatch.layer_graph import LayerGraphs, capturing, compiling as _is_compiling
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec, recipe_for
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
@@ -75,14 +75,6 @@ logger = logging.getLogger(__name__)
 _ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 _MAX_SHAPE_PLANS = 64  # input shapes remembered per layer (jagged inputs vary rows every step)
 _PENDING_SCALES = 64  # operands whose scales are counted for nonfinite_events in one batch
-
-
-def _is_compiling() -> bool:
-    """True while ``torch.compile`` (Dynamo) traces this code."""
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling"):
-        return bool(compiler.is_compiling())
-    return bool(torch._dynamo.is_compiling())  # older spelling
 
 
 # --------------------------------------------------------------------------------------- plan

@@ -2,8 +2,9 @@
 
 Why: at LRM sizes a training step is host-bound. On one H100, a DHEN-large step ran 14.2 ms of
 GPU kernels in a 29.5 ms step, the GPU idle 68% of it, with batches already made by loader
-workers (``benchmarks/results/H100/2026-11-25-harness-e2e-dhen-1gpu.md``): some 640 kernels a step,
-each launched from Python through the autograd engine. Faster GEMMs cannot show in such a step.
+workers (``benchmarks/results/H100/2026-11-25-harness-e2e-dhen-1gpu.md``): 637 kernels a step
+(``2026-11-25-harness-dhen-bf16-profile.json``), each launched from Python through the autograd
+engine. Faster GEMMs cannot show in such a step.
 Captured as CUDA graphs, the dense part of a step costs two graph launches per module.
 
 What (``loka.dispatch.dense_graphs=true``, :func:`graph_dense_modules`): each chosen module's
@@ -54,16 +55,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from loka_torchrec.dispatch.layer_graph import Sightings, capturing, release_generator
+from loka_torchrec.dispatch.layer_graph import Sightings, capturing, compiling, release_generator
 
 __all__ = ["ModuleGraphs", "graph_dense_modules", "default_dense_modules"]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
 
 
 def _resolved(args: Tuple) -> Tuple:
@@ -334,7 +330,7 @@ class ModuleGraphs:
         """Why no call in the current state may replay, or ``None``."""
         if not (self.module.training and torch.is_grad_enabled()):
             return "eval or no_grad"
-        if capturing() or _is_compiling():
+        if capturing() or compiling():
             return "inside a capture or a compile"
         hooks = nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
