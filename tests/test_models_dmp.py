@@ -6,13 +6,14 @@ Training runs through TorchRec's ``TrainPipelineSparseDist`` (which traces the m
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from multirank import spawn_job
 
 WORLD_SIZE = 2
 STEPS = 30
@@ -147,28 +148,14 @@ def _rank_main(rank: int, model_name: str, preset: str, store: str, out_dir: str
         dist.destroy_process_group()
 
 
-def _spawn_job(model_name: str, preset: str, tmp_path) -> None:
-    """Both ranks of one job. A rank that aborts with SIGABRT ("terminate called without an active
-    exception", from a C++ thread of gloo or TorchRec; root cause not found) gets the job run once
-    more, with a fresh store. Seen now and then on the 2-core CI machine: 2 of 30 runs of an
-    earlier stress loop under load, and once in a fresh-clone CI run with nothing else running.
-    Any other failure, or a second abort, fails the test."""
-    for attempt in (1, 2):
-        store = str(tmp_path / f"store-{preset}-{attempt}")
-        try:
-            mp.spawn(_rank_main, args=(model_name, preset, store, str(tmp_path)), nprocs=WORLD_SIZE, join=True)
-            return
-        except mp.ProcessExitedException as exc:
-            if attempt == 2 or "SIGABRT" not in str(exc):
-                raise
-            warnings.warn(f"{model_name}/{preset}: a rank aborted ({exc}); running the job once more")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["dhen", "hstu"])
 def test_trains_under_two_rank_dmp_with_and_without_mods(model_name, tmp_path):
     for preset in ("none", "all"):
-        _spawn_job(model_name, preset, tmp_path)
+        spawn_job(  # once more after the known gloo/TorchRec abort (tests/multirank.py)
+            _rank_main, lambda attempt: (model_name, preset, str(tmp_path / f"store-{preset}-{attempt}"), str(tmp_path)),
+            WORLD_SIZE,
+        )
     ranks = [
         {preset: json.loads((tmp_path / f"rank{r}-{preset}.json").read_text()) for preset in ("none", "all")}
         for r in range(WORLD_SIZE)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from multirank import run_job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -31,7 +33,8 @@ def launch(run_dir, *overrides, nproc=2, expect_ok=True, base=SMALL):
     # Not from the repository root: there `-m` would import the source tree's loka_torchrec, which
     # lacks the kernels/recipes subpackages that an install (editable here, a copy on a GPU machine) maps in.
     os.makedirs(run_dir, exist_ok=True)
-    proc = subprocess.run(cmd, cwd=str(run_dir), env=env, capture_output=True, text=True, timeout=420)
+    # once more after the known gloo/TorchRec abort (tests/multirank.py), in an emptied run dir
+    proc = run_job(cmd, cwd=str(run_dir), env=env, timeout=420, fresh_dir=str(run_dir))
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
