@@ -402,6 +402,8 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "step_guard": loka.get("step_guard"),
             "cuda_graphs": loka.get("cuda_graphs"),
             "dense_graphs": loka.get("dense_graphs") or [],
+            "seconds": loka.get("seconds"),
+            "monitoring": loka.get("monitoring"),
         }
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
@@ -528,12 +530,15 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         "Layer check: FP8 layers timed whole (fwd + bwd) against bf16 right after the plan, kept / checked "
         "(`loka.dispatch.layer_check_reps`). Guard: the step-time guard's verdict, median step in bf16 before the "
         "plan vs with the plan (`loka.dispatch.step_guard_window`). Probe cost: the probe steps' extra time over "
-        "nearby plain steps, as a share of this run's step time, and projected for a 100k-step run at the default "
-        "cadence (the warm-up probe steps stand in for monitoring steps the run did not reach).",
+        "nearby plain steps, as a share of this run's step time, and projected for a 100k-step run at the run's "
+        "cadence (the warm-up probe steps stand in for monitoring steps the run did not reach; monitoring every N "
+        "steps: the interval `loka.probe.monitor_budget` sets for that extra). Plan seconds: host time of the "
+        "planning step on rank 0, measuring errors / timing candidates / the layer check.",
         "",
         "| recipe | run | seed | FP8 GEMMs at the end | layer check kept / checked | guard: bf16 -> plan ms | "
-        "probe steps extra ms (warm-up, plan) | probe share of this run | projected share, 100k steps | CUDA graphs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "probe steps extra ms (warm-up, monitoring, plan) | monitoring every N steps | plan seconds (errors, speeds, "
+        "layer check) | probe share of this run | projected share, 100k steps | CUDA graphs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         d = r["dispatch"]
@@ -547,9 +552,17 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         cost = r.get("probe_cost") or {}
         measured = cost.get("measured_share")
         projected = cost.get("projected_share")
+        secs = d.get("seconds") or {}
+        probe_s, dispatch_s = secs.get("probe") or {}, secs.get("dispatch") or {}
+        plan_s = "-"
+        if probe_s or dispatch_s:
+            plan_s = ", ".join(
+                _fmt(v, ".1f") for v in (probe_s.get("evaluate_error"), probe_s.get("evaluate_speed"), dispatch_s.get("layer_check"))
+            )
         lines.append(
             f"| {r['recipe']} | {r['run']} | {r['seed']} | {d.get('fp8_gemms')}/{d.get('gemms')} | {kept} / {len(checks)} | {guard} "
-            f"| {_fmt(cost.get('warmup_extra_ms'), '.1f')}, {_fmt(cost.get('plan_extra_ms'), '.0f')} "
+            f"| {_fmt(cost.get('warmup_extra_ms'), '.1f')}, {_fmt(cost.get('monitoring_extra_ms'), '.1f')}, {_fmt(cost.get('plan_extra_ms'), '.0f')} "
+            f"| {_fmt(cost.get('monitoring_interval'), 'd')} | {plan_s} "
             f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% "
             f"| {_graphs_cell(d.get('cuda_graphs'), d.get('dense_graphs'))} |"
         )

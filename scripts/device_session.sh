@@ -38,6 +38,15 @@
 #                                             seed 1: bf16, bf16_graphs, loka_dense_graphs
 #   bash scripts/device_session.sh final      dense-graph GPU tests; DLRM large seed 0 with the
 #                                             default loader workers; DHEN torchao rowwise_with_gw_hp
+#   bash scripts/device_session.sh budget     the Probe's cost under its monitoring budget and with
+#                                             capped error draws: DHEN large seeds 0 and 1 (bf16_graphs,
+#                                             loka_dense_graphs), DLRM large seed 0 (loka_dense_graphs)
+#   bash scripts/device_session.sh hstu_baselines  HSTU large seed 0: TE, torchao rowwise and
+#                                             rowwise_with_gw_hp, bf16 with dense graphs
+#   bash scripts/device_session.sh dlrm_baselines  DLRM large seed 0: TE, torchao tensorwise, rowwise
+#                                             and rowwise_with_gw_hp, bf16_nomods
+#   bash scripts/device_session.sh hstu3      HSTU large, deterministic, seed 1: bf16 and loka; seed 0:
+#                                             loka with dense graphs
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
 #     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
@@ -253,8 +262,37 @@ case $stage in
       --runs torchao_rowwise_with_gw_hp --run-timeout 100
     packed_end
     ;;
+  budget)
+    # The Probe's cost with the budgeted monitoring cadence (loka.probe.monitor_budget) and capped
+    # error draws (loka.probe.error_rows); the plan's seconds by part are in each run's record.
+    gpu_tests 60 tests/test_probe_quantify.py
+    packed_begin
+    e2e e2e-dhen-1gpu-budget "$(( $(left) - 70 ))" --recipes dhen_large --seeds 0,1 \
+      --runs bf16_graphs,loka_dense_graphs --run-timeout 100
+    e2e e2e-dlrm-1gpu-budget "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 --runs loka_dense_graphs --run-timeout 60
+    packed_end
+    ;;
+  hstu_baselines)
+    packed_begin
+    e2e e2e-hstu-1gpu-baselines "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 \
+      --runs te,torchao_rowwise,torchao_rowwise_with_gw_hp,bf16_graphs --run-timeout 110
+    packed_end
+    ;;
+  dlrm_baselines)
+    packed_begin
+    e2e e2e-dlrm-1gpu-baselines "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 \
+      --runs te,torchao_tensorwise,torchao_rowwise,torchao_rowwise_with_gw_hp,bf16_nomods --run-timeout 90
+    packed_end
+    ;;
+  hstu3)
+    packed_begin
+    e2e e2e-hstu-1gpu-deterministic-seed1 "$(( ($(left) - 20) * 2 / 3 ))" --recipes hstu_large --seeds 1 --runs bf16,loka \
+      --deterministic --run-timeout 130
+    e2e e2e-hstu-1gpu-dense "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 --runs loka_dense_graphs --run-timeout 110
+    packed_end
+    ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | hstu_baselines | dlrm_baselines | hstu3)" >&2
     exit 2
     ;;
 esac

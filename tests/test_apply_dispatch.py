@@ -169,7 +169,7 @@ def test_gradient_format_reaches_layers_and_the_probe(tmp_path):
     dispatcher = report.dispatcher
     assert dispatcher.grad_format == Fp8Format.E5M2
     assert all(layer.grad_format == Fp8Format.E5M2 for layer in dispatcher.managed_layers().values())
-    probe_cfg = ProbeConfig(enabled=True, every=1, warmup_steps=1, every_after=1, samples=2, speed_reps=1)
+    probe_cfg = ProbeConfig(enabled=True, every=1, warmup_steps=1, every_after=1, monitor_budget=0.0, samples=2, speed_reps=1)
     callback = ProbeCallback(model, probe_cfg, run_dir=str(tmp_path), consumer=dispatcher)
     model(torch.randn(8, model[0].in_features)).sum().backward()
     callback.on_step_end(0)

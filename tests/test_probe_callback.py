@@ -57,7 +57,7 @@ def _mlp(seed=0):
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-CFG = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, samples=3, speed_reps=1, max_rows_per_step=32, readmit_windows=2)
+CFG = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, monitor_budget=0.0, samples=3, speed_reps=1, max_rows_per_step=32, readmit_windows=2)
 
 
 def _train(model, probe, steps, *, data=None, rank=0):
@@ -85,7 +85,7 @@ def test_disabled_probe_does_nothing(tmp_path):
 
 def test_hooks_exist_only_on_probe_steps(tmp_path):
     model = _mlp()
-    cfg = ProbeConfig(enabled=True, every=3, warmup_steps=7, every_after=5, samples=2, speed_reps=1, max_rows_per_step=16)
+    cfg = ProbeConfig(enabled=True, every=3, warmup_steps=7, every_after=5, monitor_budget=0.0, samples=2, speed_reps=1, max_rows_per_step=16)
     cb = ProbeCallback(model, cfg, run_dir=str(tmp_path))
     seen = []
     for step in range(20):
@@ -303,7 +303,7 @@ def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
     monkeypatch.setattr(callback_module.time, "perf_counter", lambda: clock[0])
     model = _mlp()
     dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
-    cfg = ProbeConfig(enabled=True, every=1, warmup_steps=2, every_after=1, samples=2, speed_reps=1, max_rows_per_step=32)
+    cfg = ProbeConfig(enabled=True, every=1, warmup_steps=2, every_after=1, monitor_budget=0.0, samples=2, speed_reps=1, max_rows_per_step=32)
     cb = probe(model, cfg, run_dir=str(tmp_path), consumer=dispatch)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for step in range(12):  # 12 reports: the first at step 0, the plan at step 1, then quiet monitoring

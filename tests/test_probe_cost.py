@@ -77,4 +77,25 @@ def test_the_printed_run_summary_reports_the_layer_check_and_the_probe_cost():
     assert "kept FP8 in 1 of 2 planned FP8 layers" in text
     cost = summary["probe_cost"]
     assert f"{100 * cost['measured_share']:.2f}% of this run's step time" in text
-    assert f"projected {100 * cost['projected_share']:.2f}% of a 10,000-step run" in text
+    assert f"projected {100 * cost['projected_share']:.2f}% of a 10,000-step run, monitoring every 50 steps" in text
+
+
+def test_the_projection_uses_the_budgeted_interval_and_the_reported_monitoring_steps():
+    config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=50, monitor_budget=0.0025)
+    # monitoring steps at 100 and 2100 only (as a stretched schedule runs them), 40 ms extra each
+    times = {s: (10.0 if s < 99 else 8.0) for s in range(1, 2301)}
+    times[99] += 500.0
+    for s in range(10, 100, 10):
+        times[s] += 3.0
+    for s in (100, 2100):
+        times[s] += 40.0
+    cost = probe_cost(times, config, monitoring_steps=[100, 2100], horizon_steps=100_000)
+    assert cost["monitoring_probe_steps"] == 2 and cost["monitoring_extra_ms"] == pytest.approx(40.0)
+    # 40 ms over 8 ms steps at 0.25%: every 2000 steps
+    assert cost["monitoring_interval"] == 2000
+    expected = (9 * 3.0 + cost["plan_extra_ms"] + ((100_000 - 100) // 2000 + 1) * 40.0) / (100_000 * 8.0)
+    assert cost["projected_share"] == pytest.approx(expected)
+    # steps of the fixed grid that did not probe are plain steps here, not probe steps
+    assert cost["plain_step_ms"] == pytest.approx(8.0)
+    fixed = probe_cost(times, config, horizon_steps=100_000)
+    assert fixed["monitoring_probe_steps"] == len(range(100, 2301, 50))

@@ -43,7 +43,7 @@ def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
-    cfg = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, samples=3, speed_reps=1, max_rows_per_step=32)
+    cfg = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, monitor_budget=0.0, samples=3, speed_reps=1, max_rows_per_step=32)
     cb = ProbeCallback(model, cfg, run_dir=str(root), consumer=_Dispatch({"over.fc1": model[0], "over.fc2": model[2]}))
     for step in range(11):
         x = torch.randn(32, 16) * (1e3 if step == 6 else 1.0)

@@ -55,7 +55,7 @@ def test_probed_pipeline_under_dmp(tmp_path):
     try:
         torch.manual_seed(0)
         model = DistributedModelParallel(_TinyRec(), device=torch.device("cpu"))
-        cfg = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, samples=2, speed_reps=1, max_rows_per_step=16)
+        cfg = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, monitor_budget=0.0, samples=2, speed_reps=1, max_rows_per_step=16)
         probe = ProbeCallback(model, cfg, run_dir=str(tmp_path))
         assert probe.layer_names == ["dense", "over"]  # DMP/DDP prefixes stripped
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -114,6 +115,7 @@ class Dispatcher(EvidenceConsumer):
         self._grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
         self._fallen_back: Dict[str, str] = {}
         self._guard = StepTimeGuard(config.step_guard_window, config.step_guard_tolerance)
+        self.seconds = {"decide": 0.0, "layer_check": 0.0}  # host seconds spent planning, on this rank
         self.step_guard_reason: Optional[str] = None  # set when the guard sent every GEMM back to bf16
         self.events: List[dict] = []
         self.plan: DispatchPlan = self._initial_plan()
@@ -157,6 +159,7 @@ class Dispatcher(EvidenceConsumer):
             return
         plan = None
         if self._rank() == 0:
+            t0 = time.perf_counter()
             plan = decide(
                 evidence,
                 self._layer_sizes(),
@@ -167,8 +170,11 @@ class Dispatcher(EvidenceConsumer):
                 step=step,
                 device=self._device_name(),
             )
+            t1 = time.perf_counter()
+            self.seconds["decide"] += t1 - t0
             if self.config.layer_check_reps > 0:
                 plan = self._check_layers(plan, step)
+            self.seconds["layer_check"] += time.perf_counter() - t1
         plan = self._broadcast(plan)
         self.plan = plan
         self._guard.restart()

@@ -12,7 +12,8 @@ Use from any training loop::
 
 What happens, step by step:
 
-* Hooks are registered only for probe steps (:meth:`ProbeConfig.is_probe_step`): a forward hook
+* Hooks are registered only for probe steps (every ``every`` steps of the warm-up window, then the
+  monitoring steps of :class:`~loka_torchrec.probe.cadence.MonitorCadence`): a forward hook
   on every layer folds the layer's input rows into this step's statistics and registers a tensor
   hook on the output that folds the output gradient rows in during the backward pass. Other steps
   run without any hook (no cost at all).
@@ -23,7 +24,10 @@ What happens, step by step:
   reference: each rank measures error and speed for a share of the layers, the evidence is
   gathered on every rank, and ``consumer.replan(evidence, source="probe", step=step)`` is called
   (identically on every rank).
-* After the warm-up window, each probe step is compared with the reference
+* After the warm-up window, monitoring steps come every ``every_after`` steps or, when their
+  measured cost needs it, less often, so that they take at most ``monitor_budget`` of the
+  training time (:mod:`loka_torchrec.probe.cadence`; all ranks agree on the interval).
+  Each monitoring step is compared with the reference
   (:mod:`loka_torchrec.probe.valve`): a layer that trips is sent to bf16 with
   ``consumer.fallback(layer, reason, step=step)``. Once ``readmit_windows`` later probe steps
   show a settled distribution, the layer is re-evaluated on the new statistics; if some
@@ -47,6 +51,7 @@ from torch import nn
 from loka_torchrec.dispatch.backends import backend_names, get_backend
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.probe.cadence import MonitorCadence
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import device_name, evaluate_layer
 from loka_torchrec.probe.layer_state import LayerState, StepDigest
@@ -149,6 +154,7 @@ class ProbeCallback:
         self._armed = False
         self._handles: List[Any] = []
         self._layers: Dict[str, LayerState] = {}
+        self._monitoring_steps: List[int] = []  # the steps after the warm-up window that probed
         if not self.enabled:
             return
         self.model = model
@@ -170,9 +176,9 @@ class ProbeCallback:
         self._summary_written_at: Optional[float] = None  # perf_counter of the last summary.json
         self._probe_steps = 0
         self._last_step: Optional[int] = None
-        self.seconds = {"hooks": 0.0, "merge": 0.0, "evaluate": 0.0, "logs": 0.0}
-        if config.is_probe_step(start_step):
-            self._arm()
+        self.seconds = {"hooks": 0.0, "merge": 0.0, "evaluate": 0.0, "evaluate_error": 0.0, "evaluate_speed": 0.0, "logs": 0.0}
+        self.cadence = MonitorCadence(config)
+        self.resume_at(start_step)
 
     # ------------------------------------------------------------------------------ checkpoints
     _STATE_VERSION = 1
@@ -199,6 +205,8 @@ class ProbeCallback:
             "enabled": True,
             "planned": self.planned,
             "probe_steps": self._probe_steps,
+            "monitoring_steps": list(self._monitoring_steps),
+            "cadence": self.cadence.state_dict(),
             "events": list(self._events),
             "layers": layers,
         }
@@ -225,6 +233,9 @@ class ProbeCallback:
                 setattr(layer, field, fields[field])
         self.planned = bool(state["planned"])
         self._probe_steps = int(state["probe_steps"])
+        self._monitoring_steps = list(state.get("monitoring_steps", []))
+        if "cadence" in state:  # states saved before the budgeted cadence start on the fixed grid
+            self.cadence.load_state_dict(state["cadence"])
         self._events = list(state["events"])
         self._events_in_summary = 0  # the next report rewrites summary.json
 
@@ -241,6 +252,27 @@ class ProbeCallback:
     def layer_state(self, name: str) -> LayerState:
         return self._layers[name]
 
+    @property
+    def monitoring_steps(self) -> List[int]:
+        """The steps after the warm-up window that collected statistics, in order."""
+        return list(self._monitoring_steps)
+
+    def is_probe_step(self, step: int) -> bool:
+        """Whether ``step`` collects statistics (warm-up cadence, then the monitoring schedule)."""
+        return self.cadence.is_probe_step(step)
+
+    def resume_at(self, step: int) -> None:
+        """The next step the loop runs is ``step`` (the start, or a resume after
+        :meth:`load_state_dict`): the hooks are armed if it is a probe step, the step clock restarts."""
+        if not self.enabled:
+            return
+        self.cadence.resume_at(step)
+        self.cadence.restart_clock()
+        if self.cadence.is_probe_step(step):
+            self._arm()
+        else:
+            self._disarm()
+
     def on_step_end(self, step: int) -> None:
         """Call once after every optimizer step, with the step's number, on every rank."""
         if not self.enabled or self._closed:
@@ -250,14 +282,26 @@ class ProbeCallback:
         self._last_step = step
         records: Dict[str, Dict[str, Any]] = {}
         planned_before = self.planned
-        if self._armed:
+        probed = self._armed
+        if probed:
             self._disarm()
             records = self._end_probe_step(step)
         if not self.planned and step >= self.config.warmup_steps - 1 and self._probe_steps > 0:
             self._plan(step, records)
         if records:
             self._write(step, records, planned_now=self.planned and not planned_before)
-        if self.config.is_probe_step(step + 1):
+        # The step clock: plain steps are the reference of what a monitoring step costs.
+        self.cadence.tick(plain=not probed and self.planned == planned_before)
+        if probed and step >= self.config.warmup_steps:
+            self._monitoring_steps.append(step)
+            interval = self.cadence.after_monitoring(step, self.group)  # collective: same on all ranks
+            if self.rank == 0 and self.config.monitor_budget:
+                logger.info(
+                    "Probe: monitoring step %d cost %s ms over a plain step; next one in %d steps (budget %.2f%%)",
+                    step, "?" if self.cadence.last_extra_ms is None else f"{self.cadence.last_extra_ms:.1f}",
+                    interval, 100 * self.config.monitor_budget,
+                )
+        if self.cadence.is_probe_step(step + 1):
             self._arm()
 
     def close(self) -> None:
@@ -455,8 +499,14 @@ class ProbeCallback:
                 rows=max(state.rows, 1),
             )
             try:
+                parts: Dict[str, float] = {}
                 with torch.no_grad():
-                    mine[name] = evaluate_layer(snap, self._candidates(name), config=self.config, speed_cache=self._speed_cache, seed=self.config.seed)
+                    mine[name] = evaluate_layer(
+                        snap, self._candidates(name), config=self.config, speed_cache=self._speed_cache,
+                        seed=self.config.seed, seconds=parts,
+                    )
+                self.seconds["evaluate_error"] += parts.get("error", 0.0)
+                self.seconds["evaluate_speed"] += parts.get("speed", 0.0)
             except Exception as exc:  # one layer's failure must not leave the other ranks waiting in the gather
                 logger.warning("Probe: evaluating layer %s failed: %s: %s", name, type(exc).__name__, exc)
                 mine[name] = ([], [{"note": f"evaluation failed: {type(exc).__name__}: {exc}"}])
@@ -648,6 +698,8 @@ class ProbeCallback:
             "device": device_name(device),
             "config": dataclasses.asdict(self.config),
             "seconds": dict(self.seconds),
+            "cadence": self.cadence.summary(),
+            "monitoring_steps": list(self._monitoring_steps),
             "layers": layers,
             "events": self._events,
         }

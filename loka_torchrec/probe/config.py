@@ -19,7 +19,9 @@ class ProbeConfig:
 
     Steps are the integers passed to :meth:`ProbeCallback.on_step_end`. A step ``s`` is a
     *probe step* (hooks collect statistics during it) when ``s < warmup_steps`` and
-    ``s % every == 0``, or when ``s >= warmup_steps`` and ``(s - warmup_steps) % every_after == 0``.
+    ``s % every == 0``, and after the warm-up window on the monitoring steps: ``warmup_steps``,
+    then every ``every_after`` steps, stretched by ``monitor_budget`` when the measured cost of a
+    monitoring step needs it (:mod:`loka_torchrec.probe.cadence`).
     At the end of the last warm-up step the Probe merges its statistics across ranks,
     measures error and speed of every candidate kernel, and hands the evidence to Dispatch.
 
@@ -27,9 +29,16 @@ class ProbeConfig:
         enabled: master switch; a disabled Probe registers no hook and does nothing.
         every: cadence (in steps) during the warm-up window.
         warmup_steps: length of the warm-up window; evidence is produced at its end.
-        every_after: cadence after the warm-up window (safety-valve checks); 0 turns them off.
-            The default, 500, keeps a monitoring step (tens of milliseconds of host work for a
-            few dozen layers) near 0.1% of a run; lower it to catch distribution shifts sooner.
+        every_after: shortest interval (steps) between two monitoring steps after the warm-up
+            window (safety-valve checks); 0 turns them off. Lower it to catch distribution
+            shifts sooner.
+        monitor_budget: the share of training time the monitoring steps may take (0.0025 =
+            0.25%). After each monitoring step its extra wall time over a plain step is measured,
+            and the next one waits ``ceil(extra / (monitor_budget * plain_step))`` steps, at
+            least ``every_after`` and at most ``every_after_max``; all ranks take the largest
+            wait. 0 keeps the fixed ``every_after`` cadence. (A DHEN-large monitoring step cost
+            136 ms over 19.7 ms steps on an H100: every 2762 steps at the default.)
+        every_after_max: longest interval (steps) between two monitoring steps.
         samples: K, the number of Gaussian draws per layer, role and candidate. ``None``
             resolves to 16 on CUDA and 8 on the CPU: the per-draw MERE of an LRM-sized GEMM
             varies by a few percent, so 8 to 16 draws give a t-interval within a few percent of
@@ -40,6 +49,14 @@ class ProbeConfig:
             model keeps a diagonal factor beyond this size.
         max_rows_per_step: cap on ``M`` (rows) for the speed benchmark and for each Gaussian
             draw. ``None`` resolves to no cap on CUDA and 128 on the CPU.
+        error_rows: cap on the rows of each draw that measures error (Gaussian, weight model,
+            captured chunks). ``None`` resolves to ``max_rows_per_step`` when that is set, else
+            2048 on CUDA and 128 on the CPU. Speed is timed at the real rows; error need not be:
+            FP8's relative error per output element does not depend on how many independent
+            rows a draw has (the ``fwd``/``dgrad`` reduction is over features; ``wgrad``'s is over
+            rows, where rounding errors add like the signal, as a random walk), so more rows only
+            tighten an interval that 2048 rows already make narrow, at a float32 reference GEMM
+            per draw (a 65536-row layer's draws cost 32x more than at 2048 rows).
         speed_reps: timed repetitions per candidate. ``None`` resolves to 20 on CUDA and 5 on the CPU.
         reservoir_rows: real rows (input and output-gradient pairs) kept per layer to measure
             the error on captured data next to the Gaussian model.
@@ -73,9 +90,12 @@ class ProbeConfig:
     every: int = 10
     warmup_steps: int = 200
     every_after: int = 500
+    monitor_budget: float = 0.0025
+    every_after_max: int = 10_000
     samples: Optional[int] = None
     max_cov_dim: int = 1024
     max_rows_per_step: Optional[int] = None
+    error_rows: Optional[int] = None
     speed_reps: Optional[int] = None
     reservoir_rows: int = 512
     amax_history: int = 16
@@ -94,7 +114,12 @@ class ProbeConfig:
         _positive_int("warmup_steps", self.warmup_steps)
         if not isinstance(self.every_after, int) or self.every_after < 0:
             raise ValueError(f"every_after: expected an int >= 0 (0 = no checks after warm-up), got {self.every_after!r}")
-        for name in ("samples", "max_rows_per_step", "speed_reps"):
+        if isinstance(self.monitor_budget, bool) or not isinstance(self.monitor_budget, (int, float)) or not 0.0 <= self.monitor_budget < 1.0:
+            raise ValueError(f"monitor_budget: expected a share of training time in [0, 1) (0 = fixed cadence), got {self.monitor_budget!r}")
+        _positive_int("every_after_max", self.every_after_max)
+        if self.every_after and self.every_after_max < self.every_after:
+            raise ValueError(f"every_after_max: expected at least every_after ({self.every_after}), got {self.every_after_max}")
+        for name in ("samples", "max_rows_per_step", "error_rows", "speed_reps"):
             value = getattr(self, name)
             if value is not None:
                 _positive_int(name, value)
@@ -117,7 +142,9 @@ class ProbeConfig:
 
     # ------------------------------------------------------------------------------ cadence
     def is_probe_step(self, step: int) -> bool:
-        """Whether statistics are collected during ``step``."""
+        """Whether statistics are collected during ``step`` on the fixed cadence (``every_after``
+        between monitoring steps; the Probe's :class:`~loka_torchrec.probe.cadence.MonitorCadence`
+        stretches it under ``monitor_budget``)."""
         if step < 0:
             return False
         if step < self.warmup_steps:
@@ -140,6 +167,13 @@ class ProbeConfig:
         if self.max_rows_per_step is not None:
             return self.max_rows_per_step
         return None if torch.device(device).type == "cuda" else 128
+
+    def resolved_error_rows(self, device: "torch.device | str") -> int:
+        if self.error_rows is not None:
+            return self.error_rows
+        if self.max_rows_per_step is not None:
+            return self.max_rows_per_step
+        return 2048 if torch.device(device).type == "cuda" else 128
 
     def resolved_speed_reps(self, device: "torch.device | str") -> int:
         if self.speed_reps is not None:

@@ -7,22 +7,27 @@ that changes the step time (FP8 on) does not count as Probe cost. From those ext
 
 * ``measured_share``: the Probe's extra time over the run's total step time;
 * ``projected_share``: the same for a run of ``horizon_steps`` steps at this cadence, i.e. the
-  warm-up's probe steps, the planning step and the monitoring steps (one every
-  ``every_after``), over ``horizon_steps`` plain steps of the steady state (the median plain step
-  after the plan). When the run saw no monitoring step, the warm-up probe step's extra stands in
-  for it (a stand-in, not a bound: monitoring collects less, but one measured run had a slower
-  monitoring step than its warm-up steps) and ``monitoring_from`` says so.
+  warm-up's probe steps, the planning step and the monitoring steps, over ``horizon_steps``
+  plain steps of the steady state (the median plain step after the plan). Monitoring steps come
+  every ``monitoring_interval`` steps: the interval the Probe's budgeted cadence
+  (:func:`~loka_torchrec.probe.cadence.monitor_interval`) sets for the measured extra. When the
+  run saw no monitoring step, the warm-up probe step's extra stands in for it (a stand-in, not a
+  bound: monitoring collects less, but one measured run had a slower monitoring step than its
+  warm-up steps) and ``monitoring_from`` says so.
 
-Step numbers are the training loop's (from 1); step ``s`` is a probe step when
-``ProbeConfig.is_probe_step(s)``, and the plan is made at the end of step ``warmup_steps - 1``.
+Step numbers are the training loop's (from 1). A step ``s < warmup_steps`` is a probe step when
+``ProbeConfig.is_probe_step(s)``; after the warm-up window the monitoring steps are the ones the
+run reports (``monitoring_steps``; without them, the fixed ``every_after`` grid). The plan is made
+at the end of step ``warmup_steps - 1``.
 """
 
 from __future__ import annotations
 
 import bisect
 import statistics
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from loka_torchrec.probe.cadence import monitor_interval
 from loka_torchrec.probe.config import ProbeConfig
 
 __all__ = ["probe_cost"]
@@ -51,13 +56,20 @@ def _median(values: List[float]) -> Optional[float]:
 
 
 def probe_cost(
-    step_ms: Mapping[int, float], config: ProbeConfig, *, horizon_steps: int = 100_000, neighbours: int = 10
+    step_ms: Mapping[int, float],
+    config: ProbeConfig,
+    *,
+    monitoring_steps: Optional[Iterable[int]] = None,
+    horizon_steps: int = 100_000,
+    neighbours: int = 10,
 ) -> Dict[str, Any]:
     """The Probe's extra time in a run, and its share of a ``horizon_steps`` run at this cadence.
 
     Args:
         step_ms: loop step number -> wall time of that step (ms, device-synchronized).
         config: the Probe's configuration (its cadence).
+        monitoring_steps: the steps after the warm-up window that probed (``ProbeCallback.
+            monitoring_steps``); ``None``: those of the fixed ``every_after`` grid.
         horizon_steps: the run length the projection is for.
         neighbours: plain steps whose median is the reference of each probe step.
 
@@ -71,14 +83,22 @@ def probe_cost(
     if horizon_steps < 1 or neighbours < 1:
         raise ValueError(f"probe_cost: horizon_steps and neighbours must be >= 1, got {horizon_steps}, {neighbours}")
     plan_step = config.warmup_steps - 1
-    plain = sorted(s for s in step_ms if s != plan_step and not config.is_probe_step(s))
+    if monitoring_steps is None:
+        is_probe = config.is_probe_step
+    else:
+        monitored = set(monitoring_steps)
+
+        def is_probe(s: int) -> bool:
+            return config.is_probe_step(s) if s < config.warmup_steps else s in monitored
+
+    plain = sorted(s for s in step_ms if s != plan_step and not is_probe(s))
     # References come from the same phase (up to the plan, after it): FP8 may change the step.
     phases = ([s for s in plain if s <= plan_step], [s for s in plain if s > plan_step])
     extras: Dict[str, List[float]] = {"warmup": [], "monitoring": [], "plan": []}
     for step in sorted(step_ms):
         if step == plan_step:
             kind = "plan"
-        elif config.is_probe_step(step):
+        elif is_probe(step):
             kind = "warmup" if step < config.warmup_steps else "monitoring"
         else:
             continue
@@ -96,11 +116,12 @@ def probe_cost(
     if monitoring_extra is None:
         monitoring_extra, monitoring_from = warmup_extra, "warm-up probe steps (no monitoring step in this run)"
     projected = None
+    interval = monitor_interval(monitoring_extra, steady_ms, config) if config.every_after else None
     if steady_ms and warmup_extra is not None:
         warmup_probes = sum(1 for s in range(1, min(config.warmup_steps, horizon_steps + 1)) if config.is_probe_step(s))
         monitoring_probes = 0
-        if config.every_after and horizon_steps >= config.warmup_steps:
-            monitoring_probes = (horizon_steps - config.warmup_steps) // config.every_after + 1
+        if interval and horizon_steps >= config.warmup_steps:
+            monitoring_probes = (horizon_steps - config.warmup_steps) // interval + 1
         plan_extra = max(extras["plan"]) if extras["plan"] else 0.0
         projected_ms = warmup_probes * warmup_extra + plan_extra + monitoring_probes * (monitoring_extra or 0.0)
         projected = max(0.0, projected_ms) / (horizon_steps * steady_ms)
@@ -112,6 +133,7 @@ def probe_cost(
         "monitoring_probe_steps": len(extras["monitoring"]),
         "monitoring_extra_ms": monitoring_extra,
         "monitoring_from": monitoring_from,
+        "monitoring_interval": interval,
         "plan_extra_ms": max(extras["plan"]) if extras["plan"] else None,
         "extra_seconds": extra_ms / 1e3,
         "measured_share": extra_ms / total_ms if total_ms > 0 else None,

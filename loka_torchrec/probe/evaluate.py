@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +41,7 @@ def evaluate_layer(
     config: ProbeConfig,
     speed_cache: SpeedCache,
     seed: int = 0,
+    seconds: Optional[Dict[str, float]] = None,
 ) -> Tuple[List[CandidateEvidence], List[Dict[str, Any]]]:
     """Evidence for every candidate of every role of one layer, and the detail records for the log.
 
@@ -50,6 +52,8 @@ def evaluate_layer(
         speed_cache: shared timing cache (layers of one shape are timed once); its
             ``grad_format`` is also the gradient format of the error measurement.
         seed: base seed of the Gaussian draws.
+        seconds: if given, host seconds spent measuring errors and timing candidates are added to
+            its ``"error"`` and ``"speed"`` entries (both end in a device synchronization).
 
     Returns:
         ``(evidence, details)``: one :class:`CandidateEvidence` per (role, candidate), and per
@@ -58,15 +62,17 @@ def evaluate_layer(
     device = snap.weight.device
     dtype = snap.weight.dtype
     max_rows = config.resolved_max_rows(device)
+    t0 = time.perf_counter()
     errors = quantify_errors(
         snap,
         candidates,
         samples=config.resolved_samples(device),
-        max_rows=max_rows,
+        max_rows=config.resolved_error_rows(device),
         seed=seed,
         dtype=dtype,
         grad_format=speed_cache.grad_format,
     )
+    t1 = time.perf_counter()
     timed_rows = draw_rows(snap.rows, max_rows)
     name = device_name(device)
     evidence: List[CandidateEvidence] = []
@@ -105,4 +111,7 @@ def evaluate_layer(
             )
             evidence.append(ev)
             details.append({"role": role.value, "candidate": str(choice), "errors": err.to_dict()})
+    if seconds is not None:
+        seconds["error"] = seconds.get("error", 0.0) + (t1 - t0)
+        seconds["speed"] = seconds.get("speed", 0.0) + (time.perf_counter() - t1)
     return evidence, details

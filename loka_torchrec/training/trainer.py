@@ -518,7 +518,9 @@ class Trainer:
             return None
         from loka_torchrec.probe.cost import probe_cost
 
-        return probe_cost({n: 1e3 * t for n, t in zip(steps, seconds)}, self.probe.config)
+        return probe_cost(
+            {n: 1e3 * t for n, t in zip(steps, seconds)}, self.probe.config, monitoring_steps=self.probe.monitoring_steps
+        )
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
@@ -583,8 +585,10 @@ class Trainer:
             for layer, reason in state["loka"].get("fallen_back", {}).items():
                 dispatcher.fallback(layer, f"(resumed) {reason}", step=self.start_step)
             dispatcher._apply(dispatcher.plan)
-        if self.probe is not None and "probe" in state:
-            self.probe.load_state_dict(state["probe"])  # a planned run is not re-planned from scratch
+        if self.probe is not None:
+            if "probe" in state:
+                self.probe.load_state_dict(state["probe"])  # a planned run is not re-planned from scratch
+            self.probe.resume_at(self.start_step + 1)  # the loop's next step
         if self.ctx.is_main:
             logger.info("resumed from %s at step %d", folder, self.start_step)
 
@@ -624,6 +628,12 @@ class Trainer:
             "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
             "cuda_graphs": self._cuda_graph_summary(),
             "dense_graphs": [g.summary() for g in self.loka.dense_graphs.values()],
+            # Where planning time went (host seconds, this rank): the Probe's parts and Dispatch's.
+            "seconds": {
+                "probe": dict(self.probe.seconds) if self.probe is not None else None,
+                "dispatch": dict(self.loka.dispatcher.seconds),
+            },
+            "monitoring": self.probe.cadence.summary() if self.probe is not None else None,
         }
 
     def _cuda_graph_summary(self) -> Optional[Dict[str, Any]]:
