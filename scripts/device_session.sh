@@ -41,10 +41,15 @@
 #   bash scripts/device_session.sh budget     the Probe's cost under its monitoring budget and with
 #                                             capped error draws: DHEN large seeds 0 and 1 (bf16_graphs,
 #                                             loka_dense_graphs), DLRM large seed 0 (loka_dense_graphs)
+#   bash scripts/device_session.sh budget2    the same after the cheaper planning step: DHEN large seeds
+#                                             0 and 1, DLRM large seed 0 (loka_dense_graphs)
 #   bash scripts/device_session.sh hstu_baselines  HSTU large seed 0: TE, torchao rowwise and
 #                                             rowwise_with_gw_hp, bf16 with dense graphs
 #   bash scripts/device_session.sh dlrm_baselines  DLRM large seed 0: TE, torchao tensorwise, rowwise
 #                                             and rowwise_with_gw_hp, bf16_nomods
+#   bash scripts/device_session.sh planprof   where the planning step's time goes: DHEN large, 24 steps
+#                                             (plan after 20) under cProfile, twice: with an empty
+#                                             Triton cache, then with the cache the first run filled
 #   bash scripts/device_session.sh hstu3      HSTU large, deterministic, seed 1: bf16 and loka; seed 0:
 #                                             loka with dense graphs
 #
@@ -272,6 +277,14 @@ case $stage in
     e2e e2e-dlrm-1gpu-budget "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 --runs loka_dense_graphs --run-timeout 60
     packed_end
     ;;
+  budget2)
+    # The Probe's cost after the planning step got cheaper (8 draws, backends imported at start).
+    gpu_tests 90 tests/test_probe_quantify.py tests/test_module_graph.py
+    packed_begin
+    e2e e2e-dhen-1gpu-budget2 "$(( $(left) - 70 ))" --recipes dhen_large --seeds 0,1 --runs loka_dense_graphs --run-timeout 100
+    e2e e2e-dlrm-1gpu-budget2 "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 --runs loka_dense_graphs --run-timeout 60
+    packed_end
+    ;;
   hstu_baselines)
     packed_begin
     e2e e2e-hstu-1gpu-baselines "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 \
@@ -284,6 +297,29 @@ case $stage in
       --runs te,torchao_tensorwise,torchao_rowwise,torchao_rowwise_with_gw_hp,bf16_nomods --run-timeout 90
     packed_end
     ;;
+  planprof)
+    export TRITON_CACHE_DIR=$WORK/triton-cache
+    for run in cold warm; do
+      LOKA_RUN_DIR=$WORK/planprof-$run timeout 200 python3 -P -m cProfile -o "$WORK/plan-$run.prof" -m loka_torchrec.train \
+        model=dhen_large device=cuda loka.enabled=true loka.probe.enabled=true loka.mods.preset=all \
+        loka.dispatch.dense_graphs=true loka.probe.warmup_steps=20 train.steps=24 train.progress_bar=false seed=0 \
+        > "$WORK/planprof-$run.log" 2>&1
+      echo "=== planprof $run: rc=$?"
+      {
+        echo "# cProfile of: python3 -P -m cProfile -m loka_torchrec.train model=dhen_large device=cuda loka.enabled=true loka.probe.enabled=true loka.mods.preset=all loka.dispatch.dense_graphs=true loka.probe.warmup_steps=20 train.steps=24 seed=0"
+        echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date -u '+%F %H:%M UTC'), Triton cache: $run (scripts/device_session.sh planprof)"
+        grep -h "probe cost\|step time" "$WORK/planprof-$run.log"
+        python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('seconds', json.dumps(s['loka']['seconds']))" "$WORK/planprof-$run/summary.json"
+        python3 -c "
+import pstats, sys
+p = pstats.Stats(sys.argv[1])
+p.sort_stats('cumulative').print_stats('loka_torchrec|kernels|triton|fbgemm|torch/cuda|cholesky|linalg', 70)
+p.sort_stats('tottime').print_stats(40)
+" "$WORK/plan-$run.prof"
+      } > "$OUT/planprof-$run.txt" 2>&1
+      grep "^seconds\|probe cost" "$OUT/planprof-$run.txt"
+    done
+    ;;
   hstu3)
     packed_begin
     e2e e2e-hstu-1gpu-deterministic-seed1 "$(( ($(left) - 20) * 2 / 3 ))" --recipes hstu_large --seeds 1 --runs bf16,loka \
@@ -292,7 +328,7 @@ case $stage in
     packed_end
     ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | hstu_baselines | dlrm_baselines | hstu3)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
     exit 2
     ;;
 esac

@@ -175,3 +175,41 @@ def test_gradient_format_reaches_layers_and_the_probe(tmp_path):
     callback.on_step_end(0)
     callback.close()
     assert callback._speed_cache is not None and Fp8Format.parse(callback._speed_cache.grad_format) == Fp8Format.E5M2
+
+
+@register_backend
+class _CountingBackend(GemmBackend):
+    """Counts its availability checks (an import of a GPU library, in a real backend)."""
+
+    name = "test_counting"
+    recipes = ("rowwise",)
+    devices = ("cpu", "cuda")
+    checks = 0
+
+    def _probe(self, device):
+        type(self).checks += 1
+        return Availability(False, "not here")
+
+    def quantize(self, t, spec, *, name="operand"):
+        raise AssertionError("never called")
+
+    def mm(self, a, b, recipe, out_dtype):
+        raise AssertionError("never called")
+
+
+def test_start_checks_the_candidate_backends_before_training(monkeypatch):
+    # The check imports each library: at start, not in the planning step.
+    from loka_torchrec.dispatch.backends import get_backend
+
+    monkeypatch.setattr(get_backend("test_counting"), "_availability", {})  # other tests may have checked it
+    monkeypatch.setattr(_CountingBackend, "checks", 0)
+    report = loka_torchrec.apply(mlp(), DispatchConfig(mode="policy", candidates=("test_counting:rowwise",), fallback="bf16"))
+    assert _CountingBackend.checks == 0  # apply() does not import backends
+    report.dispatcher.start()
+    assert _CountingBackend.checks == 1
+    report.dispatcher.candidates("0")  # the plan's question: answered from the cached check
+    assert _CountingBackend.checks == 1
+    # a named candidate that cannot run fails at start (fallback=error), naming the backend
+    strict = loka_torchrec.apply(mlp(), DispatchConfig(mode="policy", candidates=("test_offline:rowwise",)))
+    with pytest.raises(BackendUnavailableError, match="test_offline"):
+        strict.dispatcher.start()

@@ -133,7 +133,8 @@ def test_config_validation_names_the_field():
         ProbeConfig(amax_jump_ratio=1.0)
     with pytest.raises(ValueError, match="samples: a confidence interval needs at least 2"):
         ProbeConfig(samples=1)
-    assert ProbeConfig().resolved_samples("cpu") == 8 and ProbeConfig().resolved_samples("cuda") == 16
+    assert ProbeConfig().resolved_samples("cpu") == 8 and ProbeConfig().resolved_samples("cuda") == 8
+    assert ProbeConfig(samples=16).resolved_samples("cuda") == 16
 
 
 def test_replan_at_the_end_of_warmup_with_evidence_for_every_layer_role_and_candidate(tmp_path):

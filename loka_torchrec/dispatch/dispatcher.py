@@ -397,6 +397,14 @@ class Dispatcher(EvidenceConsumer):
             self.plan.save(os.path.join(self.run_dir, PLAN_FILE))
 
     def start(self) -> None:
-        """Verify identity across ranks and write the initial plan (call once, after process groups exist)."""
+        """Verify identity across ranks and write the initial plan (call once, after process groups exist).
+
+        Also checks the candidate backends here, before training: the check imports each library
+        (FBGEMM's gen_ai ops, Transformer Engine), which takes seconds on a first import and would
+        otherwise land in the planning step.
+        """
+        if self.config.mode == "policy":
+            for device in sorted({str(m.weight.device) for m in self._layers.values()}):
+                resolve_candidates(self.config, torch.device(device))
         self._verify_identical()
         self._save_plan()

@@ -40,9 +40,11 @@ class ProbeConfig:
             136 ms over 19.7 ms steps on an H100: every 2762 steps at the default.)
         every_after_max: longest interval (steps) between two monitoring steps.
         samples: K, the number of Gaussian draws per layer, role and candidate. ``None``
-            resolves to 16 on CUDA and 8 on the CPU: the per-draw MERE of an LRM-sized GEMM
-            varies by a few percent, so 8 to 16 draws give a t-interval within a few percent of
-            the mean, and every draw costs a float64 reference GEMM.
+            resolves to 8: the per-draw MERE of an LRM-sized GEMM varies by a few percent, so 8
+            draws give a t-interval within a few percent of the mean. Every draw costs a
+            high-precision reference GEMM and, per candidate, a quantized one: the planning
+            step's error measurement is host-bound by those launches (DHEN large on an H100:
+            6.3 s of a 10 s planning step with 16 draws).
         max_cov_dim: full covariance is kept for at most this many features of a tensor; a
             wider tensor keeps full covariance on a fixed random subset of ``max_cov_dim``
             features plus the variance of every feature (see ``docs/probe.md``). The weight
@@ -161,7 +163,7 @@ class ProbeConfig:
     def resolved_samples(self, device: "torch.device | str") -> int:
         if self.samples is not None:
             return self.samples
-        return 16 if torch.device(device).type == "cuda" else 8
+        return 8
 
     def resolved_max_rows(self, device: "torch.device | str") -> Optional[int]:
         if self.max_rows_per_step is not None:
