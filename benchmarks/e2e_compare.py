@@ -582,6 +582,8 @@ def _graphs_cell(graphs: Optional[Dict[str, Any]], dense: Optional[List[Dict[str
         cell = f"dense `{g['module']}`: {g['captures']} captures, {g['replays']} replays, {g['eager_calls']} eager"
         if g.get("failure"):
             cell += "; failed: " + g["failure"].replace("|", "/")[:120]
+        if g.get("gave_up"):
+            cell += "; gave up: " + g["gave_up"][:120]
         cells.append(cell)
     return "; ".join(cells) or "off"
 

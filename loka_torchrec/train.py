@@ -144,6 +144,7 @@ def format_summary(s: Dict[str, Any]) -> str:
                 + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(dense.get('eager_reasons', {}).items()))})"
                    if dense.get("eager_reasons") else "")
                 + (f"; failed: {dense['failure']}" if dense["failure"] else "")
+                + (f"; gave up: {dense['gave_up']}" if dense.get("gave_up") else "")
             )
         if loka.get("step_guard"):
             lines.append(f"step-time guard   {loka['step_guard']}")

@@ -43,6 +43,8 @@
 #                                             loka_dense_graphs), DLRM large seed 0 (loka_dense_graphs)
 #   bash scripts/device_session.sh budget2    the same after the cheaper planning step: DHEN large seeds
 #                                             0 and 1, DLRM large seed 0 (loka_dense_graphs)
+#   bash scripts/device_session.sh hstu4      dense-graph GPU tests; HSTU large seed 0: bf16, bf16_graphs,
+#                                             loka_dense_graphs (modules with ever-new shapes give up)
 #   bash scripts/device_session.sh hstu_baselines  HSTU large seed 0: TE, torchao rowwise and
 #                                             rowwise_with_gw_hp, bf16 with dense graphs
 #   bash scripts/device_session.sh dlrm_baselines  DLRM large seed 0: TE, torchao tensorwise, rowwise
@@ -285,6 +287,15 @@ case $stage in
     e2e e2e-dlrm-1gpu-budget2 "$(( $(left) - 20 ))" --recipes dlrm_large --seeds 0 --runs loka_dense_graphs --run-timeout 60
     packed_end
     ;;
+  hstu4)
+    # Dense graphs on HSTU after modules whose input shapes never repeat stop forming keys:
+    # bf16, bf16 with dense graphs and LoKA with them, seed 0, in one call.
+    gpu_tests 60 tests/test_module_graph.py
+    packed_begin
+    e2e e2e-hstu-1gpu-dense-giveup "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 110
+    packed_end
+    ;;
   hstu_baselines)
     packed_begin
     e2e e2e-hstu-1gpu-baselines "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 \
@@ -328,7 +339,7 @@ p.sort_stats('tottime').print_stats(40)
     packed_end
     ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu4 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
     exit 2
     ;;
 esac

@@ -84,10 +84,39 @@ def test_cpu_calls_run_the_module_itself_and_count():
     assert g.captures == 0 and g.replays == 0 and g.eager_calls == 4 and g.failure is None
     assert g.summary() == {
         "module": "over_arch", "captures": 0, "replays": 0, "eager_calls": 4,
-        "eager_reasons": {"not CUDA tensors": 4}, "failure": None,
+        "eager_reasons": {"not CUDA tensors": 4}, "failure": None, "gave_up": None,
     }
     g.remove()
     assert "forward" not in model.over_arch.__dict__
+
+
+def test_a_module_whose_input_shapes_never_repeat_stops_forming_keys(monkeypatch):
+    # Jagged inputs (HSTU's attention blocks): a new shape every call never captures; after
+    # give_up_after distinct shapes the module runs eagerly without keys or hook scans.
+    import loka_torchrec.dispatch.module_graph as mg
+
+    monkeypatch.setattr(mg, "_capturable", lambda tensors: True)  # the bookkeeping of a GPU run, on the CPU
+    torch.manual_seed(0)
+    model = Model()
+    twin = copy.deepcopy(model)
+    g = graph_dense_modules(model, capture_after=2, give_up_after=5)["over_arch"]
+    for rows in range(1, 10):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(model.over_arch(x), twin.over_arch(x), rtol=0, atol=0)
+    assert g.captures == 0 and g.gave_up == "5 distinct input shapes and none seen 2 times"
+    assert g.eager_reasons == {"warming up": 5, "input shapes never repeat": 4}
+    assert g.summary()["gave_up"] == g.gave_up
+
+
+def test_a_repeated_shape_is_tried_not_given_up(monkeypatch):
+    import loka_torchrec.dispatch.module_graph as mg
+
+    monkeypatch.setattr(mg, "_capturable", lambda tensors: True)
+    monkeypatch.setattr(ModuleGraphs, "_capture", lambda self, *a: None)  # a capture that fails
+    g = graph_dense_modules(Model(), capture_after=2, give_up_after=3)["over_arch"]
+    g.module(torch.randn(4, 16))  # one shape, then a second sighting: the capture is attempted
+    g.module(torch.randn(4, 16))
+    assert g.gave_up is None and g.eager_reasons["capture failed"] == 1
 
 
 def test_state_dict_is_unchanged_by_the_wrapper():

@@ -35,8 +35,10 @@ Runs eagerly instead (and correctly): eval and ``no_grad`` calls; keyword argume
 while any module inside has hooks (the Probe's probe steps register forward hooks); inside
 another capture or a ``torch.compile`` trace; non-CUDA tensors; a second forward before the
 first one's backward; a key not yet seen ``capture_after`` times (jagged inputs whose sizes
-change every step never capture); and every call after a failed capture (logged once with its
-reason, in :attr:`ModuleGraphs.failure`). At most ``max_graphs`` keys are kept per module.
+change every step never capture; after ``give_up_after`` distinct keys without a capture the
+module stops forming keys, as HSTU's attention blocks do on jagged sequences); and every call
+after a failed capture (logged once with its reason, in :attr:`ModuleGraphs.failure`). At most
+``max_graphs`` keys are kept per module.
 
 Contract: the module's forward must be a pure function of its arguments, parameters and buffers
 on the GPU (no host synchronization, no data-dependent shapes, no Python state that changes
@@ -232,17 +234,23 @@ class ModuleGraphs:
         capture_after: training calls with one key before it is captured (>= 1).
         max_graphs: keys kept captured (least recently used dropped).
         warmup: eager forward + backward passes on a side stream before each capture.
+        give_up_after: distinct keys seen without any capture after which the module runs
+            eagerly for good, without forming keys (its inputs change shape every call).
 
     Attributes:
         failure: why capturing failed (the module then stays eager), else ``None``.
+        gave_up: why the module stopped trying (its input shapes never repeat), else ``None``.
         captures, replays, eager_calls: counters for the run summary.
         eager_reasons: eager calls by reason (``"eval or no_grad"``, ``"hooks"``, ``"warming up"``,
             ``"busy"``, ...).
     """
 
-    def __init__(self, module: nn.Module, name: str = "", *, capture_after: int = 3, max_graphs: int = 2, warmup: int = 2) -> None:
-        if capture_after < 1 or max_graphs < 1 or warmup < 1:
-            raise ValueError("ModuleGraphs: capture_after, max_graphs and warmup must be >= 1")
+    def __init__(
+        self, module: nn.Module, name: str = "", *, capture_after: int = 3, max_graphs: int = 2, warmup: int = 2,
+        give_up_after: int = 64,
+    ) -> None:
+        if capture_after < 1 or max_graphs < 1 or warmup < 1 or give_up_after < 1:
+            raise ValueError("ModuleGraphs: capture_after, max_graphs, warmup and give_up_after must be >= 1")
         if isinstance(module.__dict__.get("forward"), ModuleGraphs):
             raise ValueError(f"module {name or type(module).__name__} already has CUDA graphs")
         self.module, self.name = module, name or type(module).__name__
@@ -254,6 +262,9 @@ class ModuleGraphs:
         self._submodules = list(module.modules())
         self._dispatched = [m for m in self._submodules if hasattr(m, "kernels") and hasattr(m, "set_kernels")]
         self.failure: Optional[str] = None
+        self.give_up_after = give_up_after
+        self.gave_up: Optional[str] = None
+        self._new_keys = 0  # distinct keys seen while nothing was captured
         self.captures = self.replays = self.eager_calls = 0
         self.eager_reasons: "collections.Counter[str]" = collections.Counter()
         module.forward = self  # an instance attribute: nn.Module.__call__ finds it first
@@ -276,7 +287,7 @@ class ModuleGraphs:
     def summary(self) -> Dict[str, Any]:
         return {"module": self.name, "captures": self.captures, "replays": self.replays,
                 "eager_calls": self.eager_calls, "eager_reasons": dict(self.eager_reasons),
-                "failure": self.failure}  # fmt: skip
+                "failure": self.failure, "gave_up": self.gave_up}  # fmt: skip
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args, **kwargs):
@@ -294,6 +305,8 @@ class ModuleGraphs:
         """The outputs from a replay, or a string: why this call must run eagerly."""
         if self.failure is not None:
             return "capture failed"
+        if self.gave_up is not None:
+            return "input shapes never repeat"
         why = self._ineligible()
         if why is not None:
             return why
@@ -314,7 +327,13 @@ class ModuleGraphs:
             del self._calls[key]  # parameters were replaced (not updated in place): capture again
             call = None
         if call is None:
-            if self._seen.add(key) < self.capture_after:
+            sightings = self._seen.add(key)
+            if sightings < self.capture_after:
+                if sightings == 1 and self.captures == 0:
+                    self._new_keys += 1
+                    if self._new_keys >= self.give_up_after:
+                        self.gave_up = f"{self._new_keys} distinct input shapes and none seen {self.capture_after} times"
+                        logger.info("dense graphs: %s runs eagerly from now on: %s", self.name, self.gave_up)
                 return "warming up"
             call = self._capture(key, leaves, spec, autocast_state)
             if call is None:
@@ -384,7 +403,7 @@ def default_dense_modules(model: nn.Module, prefix: str = "") -> List[str]:
 
 
 def graph_dense_modules(
-    model: nn.Module, names: Sequence[str] = (), *, capture_after: int = 3, max_graphs: int = 2
+    model: nn.Module, names: Sequence[str] = (), *, capture_after: int = 3, max_graphs: int = 2, give_up_after: int = 64
 ) -> Dict[str, ModuleGraphs]:
     """Give each named submodule of ``model`` (default: :func:`default_dense_modules`) CUDA graphs.
 
@@ -394,7 +413,7 @@ def graph_dense_modules(
     Args:
         model: the model.
         names: submodule names (``model.get_submodule``), or empty for the default choice.
-        capture_after, max_graphs: see :class:`ModuleGraphs`.
+        capture_after, max_graphs, give_up_after: see :class:`ModuleGraphs`.
 
     Returns:
         name -> its :class:`ModuleGraphs` (counters, ``failure``, ``remove()``).
@@ -415,5 +434,7 @@ def graph_dense_modules(
             module = model.get_submodule(name)
         except AttributeError as exc:
             raise ValueError(f"dispatch.dense_graph_modules: no submodule {name!r} in the model ({exc})") from None
-        graphs[name] = ModuleGraphs(module, name, capture_after=capture_after, max_graphs=max_graphs)
+        graphs[name] = ModuleGraphs(
+            module, name, capture_after=capture_after, max_graphs=max_graphs, give_up_after=give_up_after
+        )
     return graphs
