@@ -185,3 +185,46 @@ def test_graphs_cell_with_dense_graphs():
     failed = [{"module": "m", "captures": 0, "replays": 0, "eager_calls": 9, "failure": "RuntimeError: x | y"}]
     assert e2e._graphs_cell(None, failed).endswith("failed: RuntimeError: x / y")
     assert e2e._graphs_cell(None, []) == "off"
+
+
+def _result_file(path, runs):
+    records = [
+        {"recipe": recipe, "run": run, "seed": seed, "status": status, "median_step_ms": ms, "p10_step_ms": ms,
+         "p90_step_ms": ms, "eval_ne": ne, "eval_auc": 0.7, "peak_memory_gb": 1.0, "command": command}
+        for recipe, run, seed, status, ms, ne, command in runs
+    ]  # fmt: skip
+    path.write_text(json.dumps({"device": "test-gpu", "runs": records}))
+    return str(path)
+
+
+def test_combine_results_keeps_the_first_record_per_run_and_pairs_ne_by_seed(tmp_path):
+    spec = importlib.util.spec_from_file_location("combine_results", os.path.join(os.path.dirname(DRIVER), "combine_results.py"))
+    combine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(combine)
+    first = _result_file(tmp_path / "a.json", [
+        ("dhen", "bf16", 0, "ok", 20.0, 0.80, "train.py seed=0"),
+        ("dhen", "loka", 0, "ok", 16.0, 0.80, "train.py seed=0"),
+        ("dhen", "te", 0, "failed", None, None, "train.py seed=0"),
+        ("hstu", "bf16", 0, "ok", 50.0, 0.90, "train.py train.deterministic=true"),
+    ])  # fmt: skip
+    second = _result_file(tmp_path / "b.json", [
+        ("dhen", "bf16", 0, "ok", 99.0, 0.99, "train.py seed=0"),  # the first file's record wins
+        ("dhen", "te", 0, "ok", 40.0, 0.84, "train.py seed=0"),
+        ("dhen", "torchao", 0, "ok", 80.0, 0.88, "train.py seed=0"),
+    ])  # fmt: skip
+    records = combine.load_records([first, second], exclude=["dhen:torchao"])
+    got = {(r["recipe"], r["run"]): (r["median_step_ms"], r["source"]) for r in records}
+    assert got == {
+        ("dhen", "bf16"): (20.0, "a.json"), ("dhen", "loka"): (16.0, "a.json"), ("dhen", "te"): (40.0, "b.json"),
+        ("hstu+deterministic", "bf16"): (50.0, "a.json"),
+    }  # fmt: skip
+    out = tmp_path / "combined"
+    assert combine.main(["--out", str(out), "--exclude", "dhen:torchao", first, second]) == 0
+    text = (out.parent / "combined.md").read_text()
+    assert "| dhen | loka | 0 | 16.00 | 1.250x | +0.00 [+0.00, +0.00] |" in text
+    assert "| dhen | te | 0 | 40.00 | 0.500x | +5.00 [+5.00, +5.00] |" in text
+    assert "torchao" not in text.split("command:")[1].split("\n", 1)[1]  # excluded from the tables
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    with pytest.raises(ValueError, match="bad.json: not an e2e_compare.py result"):
+        combine.load_records([str(bad)])
