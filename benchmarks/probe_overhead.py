@@ -13,7 +13,8 @@ What is measured (one process, the current device):
    fractions only, safety-valve check, logs).
 
 From these, the average overhead of a run of ``L`` steps at the default cadence
-(``ProbeConfig()``: every 10 steps in a 200-step warm-up, then every 100) is
+(``ProbeConfig()``: every 10 steps in a 200-step warm-up, then monitoring steps every
+``monitor_interval(c_monitor, t_step)`` steps, the budget rule of ``loka_torchrec.probe.cadence``) is
 ``(n_warm (c_warm + c_arm) + c_eval + n_mon (c_monitor + c_arm) + n_idle c_idle) / (L t_step)``,
 with ``c_arm`` the cost of registering the hooks at the end of the step before each probe step
 and ``t_step`` the step of a run without the Probe. A direct measurement
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from loka_torchrec.probe import ProbeCallback, ProbeConfig
+from loka_torchrec.probe.cadence import monitor_interval
 from loka_torchrec.probe.evaluate import device_name
 
 # (in, out) of each linear: the K, N of 256..2048 that large recommendation models are made of
@@ -94,7 +96,9 @@ def default_cadence_overhead(t_step: float, c: Dict[str, float], run_steps_: int
     cfg = ProbeConfig()
     steps = range(run_steps_)
     n_warm = sum(1 for s in steps if s < cfg.warmup_steps and cfg.is_probe_step(s))
-    n_mon = sum(1 for s in steps if s >= cfg.warmup_steps and cfg.is_probe_step(s))
+    # Monitoring steps at the interval the budget rule sets for the measured monitoring extra.
+    interval = monitor_interval(c["monitor"], t_step, cfg)
+    n_mon = len(range(cfg.warmup_steps, run_steps_, interval)) if cfg.every_after else 0
     n_idle = run_steps_ - n_warm - n_mon
     # Every probe step is armed (hooks registered) at the end of the step before it.
     per_probe = c.get("arm", 0.0)
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
         # Even steps probe, odd steps do not: every probe step has plain neighbours measured in the
         # same stretch of time, so drifting machine load cancels out. The plan is at the end of
         # the last (odd) warm-up step, 2n - 1.
-        cfg = ProbeConfig(enabled=True, every=2, warmup_steps=2 * n, every_after=2)
+        cfg = ProbeConfig(enabled=True, every=2, warmup_steps=2 * n, every_after=2, monitor_budget=0.0)
         probe = ProbeCallback(model, cfg, run_dir=run_dir)
         callback_ms: List[float] = []
         times = run_steps(model, opt, make_batches(4 * n, batch, device, dtype), device, probe, callback_times=callback_ms)

@@ -139,7 +139,7 @@ def case_probe(device: torch.device, batch: int) -> None:
     plain_host, plain_dev = host_and_device_ms(train_step, device, 20)
     print(f"\n=== probe: plain step host {plain_host:.3f} ms, device {plain_dev:.3f} ms", flush=True)
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = ProbeConfig(enabled=True, every=1, warmup_steps=6, every_after=1)
+        cfg = ProbeConfig(enabled=True, every=1, warmup_steps=6, every_after=1, monitor_budget=0.0)
         probe = ProbeCallback(model, cfg, run_dir=run_dir)
         step = [0]
 
