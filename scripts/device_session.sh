@@ -45,6 +45,8 @@
 #                                             0 and 1, DLRM large seed 0 (loka_dense_graphs)
 #   bash scripts/device_session.sh hstu4      dense-graph GPU tests; HSTU large seed 0: bf16, bf16_graphs,
 #                                             loka_dense_graphs (modules with ever-new shapes give up)
+#   bash scripts/device_session.sh final2     DHEN large seeds 0 and 1 in one call: bf16, bf16_graphs,
+#                                             loka_dense_graphs
 #   bash scripts/device_session.sh hstu_baselines  HSTU large seed 0: TE, torchao rowwise and
 #                                             rowwise_with_gw_hp, bf16 with dense graphs
 #   bash scripts/device_session.sh dlrm_baselines  DLRM large seed 0: TE, torchao tensorwise, rowwise
@@ -296,6 +298,14 @@ case $stage in
       --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 110
     packed_end
     ;;
+  final2)
+    # DHEN large with the session's final code, both seeds, in one call: bf16, bf16 with dense
+    # graphs, LoKA with them (same-call ratios for the README).
+    packed_begin
+    e2e e2e-dhen-1gpu-final "$(( $(left) - 10 ))" --recipes dhen_large --seeds 0,1 \
+      --runs bf16,bf16_graphs,loka_dense_graphs --run-timeout 70
+    packed_end
+    ;;
   hstu_baselines)
     packed_begin
     e2e e2e-hstu-1gpu-baselines "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 \
@@ -339,7 +349,7 @@ p.sort_stats('tottime').print_stats(40)
     packed_end
     ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu4 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
+    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu4 | final2 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
     exit 2
     ;;
 esac
