@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
+import time
 from typing import Any, Deque, Dict, Mapping, Optional
 
 import torch
@@ -72,8 +73,6 @@ class MonitorCadence:
     """
 
     def __init__(self, config: ProbeConfig, *, clock=None) -> None:
-        import time
-
         self.config = config
         self._clock = clock or time.perf_counter
         self.next_step: Optional[int] = config.warmup_steps if config.every_after else None
