@@ -108,6 +108,12 @@ def format_summary(s: Dict[str, Any]) -> str:
         lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)")
     if s.get("autocast", "none") != "none":
         lines.append(f"autocast         {s['autocast']} (dense forward)")
+    compiled = s.get("compile") or {}
+    if compiled.get("mode", "none") != "none":
+        lines.append(
+            f"torch.compile    mode {compiled['mode']}: {', '.join(compiled['modules'])}; {compiled['graphs']} graph(s), "
+            f"{compiled['graph_breaks']} graph break(s)"
+        )
     if s.get("sharding_group_size") is not None:
         lines.append(
             f"2D sharding      DMPCollection: tables sharded over groups of {s['sharding_group_size']} rank(s), "
@@ -129,13 +135,6 @@ def format_summary(s: Dict[str, Any]) -> str:
             lines.append(
                 f"layer check      kept FP8 in {kept} of {len(checks)} planned FP8 layers (fwd+bwd timed against bf16; "
                 f"events in dispatch_events.jsonl)"
-            )
-        graphs = loka.get("cuda_graphs")
-        if graphs:
-            lines.append(
-                f"CUDA graphs      {graphs['captured_layers']} of {graphs['layers']} layers captured "
-                f"({graphs['captures']} captures, {graphs['replays']} replays)"
-                + (f"; failed: {'; '.join(graphs['failures'])}" if graphs["failures"] else "")
             )
         for dense in loka.get("dense_graphs") or []:
             lines.append(

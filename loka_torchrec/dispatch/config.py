@@ -52,12 +52,11 @@ class DispatchConfig:
             whole (forward + backward, host overhead included) against bf16 with this many
             repetitions, and goes back to bf16 unless it reaches ``min_speedup``
             (:mod:`loka_torchrec.dispatch.layer_check`); 0 turns the check off.
-        cuda_graphs: on CUDA, every layer with an FP8 GEMM captures its forward and backward as
-            CUDA graphs per recurring input shape and replays them
-            (:mod:`loka_torchrec.dispatch.layer_graph`); the layer check then times the replays.
-            Off by default: a replayed layer's output is the graph's buffer, valid until the
-            layer's next training forward, so a loop that keeps a layer output across steps
-            (not a copy of it) must leave this off.
+        compiled: the layers run under ``torch.compile`` (the training job sets it from
+            ``train.compile``). Candidates whose kernels do not trace (a backend's
+            ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
+            layer check are timed as the compiled step runs them: compiled, as CUDA-graph replays
+            (device time, no host launch gaps).
         dense_graphs: on CUDA, the model's dense modules (``dense_graph_modules``) capture their
             whole forward and backward as two CUDA graphs per recurring input shape and dispatch
             plan, and replay them (:mod:`loka_torchrec.dispatch.module_graph`): the dense part of a
@@ -87,7 +86,7 @@ class DispatchConfig:
     step_guard_window: int = 50
     step_guard_tolerance: float = 0.02
     layer_check_reps: int = 10
-    cuda_graphs: bool = False
+    compiled: bool = False
     dense_graphs: bool = False
     dense_graph_modules: Tuple[str, ...] = ()
 
@@ -128,7 +127,7 @@ class DispatchConfig:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
-        for flag in ("cuda_graphs", "dense_graphs"):
+        for flag in ("compiled", "dense_graphs"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"dispatch.{flag}: expected true or false, got {getattr(self, flag)!r}")
         if not all(isinstance(n, str) and n for n in self.dense_graph_modules):

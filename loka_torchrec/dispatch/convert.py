@@ -85,7 +85,6 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
     for fqn, module in list(model.named_modules()):
         name = canonical_fqn(fqn)
         if isinstance(module, LokaLinear):
-            module.cuda_graphs = config.cuda_graphs
             layers[name] = module
             report.converted.append((name, module.in_features, module.out_features))
             continue
@@ -96,7 +95,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
                 continue
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            new = LokaLinear.from_linear(module, grad_format=grad_format, cuda_graphs=config.cuda_graphs)
+            new = LokaLinear.from_linear(module, grad_format=grad_format)
             setattr(parent, child, new)
             layers[name] = new
             report.converted.append((name, module.in_features, module.out_features))

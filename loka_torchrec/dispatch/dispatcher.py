@@ -65,24 +65,30 @@ def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[Ker
                     continue
                 backend = get_backend(backend_name)
                 if backend.in_auto and backend.availability(device).ok:
-                    out.extend(KernelChoice(backend_name, r) for r in backend.recipes)
+                    out.extend(
+                        KernelChoice(backend_name, r) for r in backend.recipes
+                        if not config.compiled or backend.compile_reason(r) is None
+                    )
             continue
         choice = KernelChoice.parse(name, field="dispatch.candidates")
-        _require(choice, config, device, field="dispatch.candidates")
-        if get_backend(choice.backend).availability(device).ok:
+        if _require(choice, config, device, field="dispatch.candidates"):
             out.append(choice)
     return sorted(set(out))
 
 
 def _require(choice: KernelChoice, config: DispatchConfig, device: torch.device, *, field: str) -> bool:
-    """Check that ``choice`` can run on ``device``; raise or warn per ``config.fallback``."""
+    """Check that ``choice`` can run on ``device`` (compiled, with ``config.compiled``); raise or warn
+    per ``config.fallback``."""
     backend = get_backend(choice.backend)  # ValueError naming the unknown backend
     if choice.recipe not in backend.recipes:
         raise ValueError(f"{field}: backend {choice.backend!r} has no recipe {choice.recipe!r}; it has {', '.join(backend.recipes)}")
     available = backend.availability(device)
-    if available.ok:
+    problem = None if available.ok else f"backend {choice.backend!r} is unavailable on {device}: {available.reason}"
+    if problem is None and config.compiled:
+        problem = backend.compile_reason(choice.recipe)
+    if problem is None:
         return True
-    message = f"{field}: backend {choice.backend!r} is unavailable on {device}: {available.reason}"
+    message = f"{field}: {problem}"
     if config.fallback == "error":
         raise BackendUnavailableError(message + " (set dispatch.fallback=bf16 to run such GEMMs in bf16 instead)")
     logger.warning("%s; falling back to bf16 (dispatch.fallback=bf16)", message)
@@ -125,7 +131,7 @@ class Dispatcher(EvidenceConsumer):
     def times_in_graphs(self) -> bool:
         """Candidates are timed as CUDA-graph replays (``dispatch.dense_graphs``: a captured step pays
         device time only); the Probe reads this too."""
-        return self.config.dense_graphs
+        return self.config.dense_graphs or self.config.compiled
 
     @property
     def grad_format(self) -> Fp8Format:
@@ -145,9 +151,8 @@ class Dispatcher(EvidenceConsumer):
             shape = GemmShape.for_role(role, rows, module.in_features, module.out_features)
             runnable = []
             for choice in resolve_candidates(self.config, device):
-                reason = get_backend(choice.backend).check(recipe_for(choice.recipe, role, grad_format=self._grad_format), shape, device)
-                # An alignment miss is fine: LokaLinear pads K/N with zeros where the backend allows it.
-                if reason is None or "multiples of" in reason:
+                recipe = recipe_for(choice.recipe, role, grad_format=self._grad_format)
+                if get_backend(choice.backend).check_padded(recipe, shape, device) is None:
                     runnable.append(choice)
             out[role] = runnable
         return out
@@ -190,7 +195,7 @@ class Dispatcher(EvidenceConsumer):
         before = plan.fp8_gemm_count()
         plan, records = check_plan_layers(
             plan, self._layers, min_speedup=self.config.min_speedup, reps=self.config.layer_check_reps,
-            grad_format=self._grad_format, device_time=self.times_in_graphs,
+            grad_format=self._grad_format, device_time=self.times_in_graphs, compiled=self.config.compiled,
         )
         for record in records:
             self._record({"event": "layer_check", "step": step, **record})
@@ -323,8 +328,9 @@ class Dispatcher(EvidenceConsumer):
                 if not choice.is_high_precision:
                     module = self._layers[name]
                     shape = GemmShape.for_role(role, 1, fan_in, fan_out)
-                    problem = get_backend(choice.backend).check(recipe_for(choice.recipe, role, grad_format=self._grad_format), shape, module.weight.device)
-                    if problem and "multiples of" not in problem:
+                    recipe = recipe_for(choice.recipe, role, grad_format=self._grad_format)
+                    problem = get_backend(choice.backend).check_padded(recipe, shape, module.weight.device)
+                    if problem:
                         chosen, why = BF16, f"{choice} cannot run here: {problem}"
                 roles[role] = RoleDecision(chosen, why, "static")
             layers[name] = LayerPlan(name, fan_in, fan_out, rows, roles)

@@ -84,8 +84,8 @@ def time_layer_step(
     reps: int,
     warmup: int = 3,
     seed: int = 0,
-    cuda_graphs: bool = False,
     device_time: bool = False,
+    compiled: bool = False,
 ) -> LayerTiming:
     """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer, FP8 vs bf16.
 
@@ -96,11 +96,12 @@ def time_layer_step(
         input_dtype: the dtype of the layer's input as it arrives.
         autocast_dtype: the forward runs under ``torch.autocast`` with this dtype (``None``: off).
         reps: timed repetitions per variant (interleaved); ``warmup`` untimed ones first.
-        cuda_graphs: the FP8 variant replays CUDA graphs, as the layer will in training (the
-            warm-up repetitions include its capture).
         device_time: on CUDA, time both variants' forward + backward captured in CUDA graphs
-            (device time, no host launch time), as a step under ``dispatch.dense_graphs`` pays
-            them; falls back to wall time if a variant cannot be captured.
+            (device time, no host launch time), as a compiled step with CUDA graphs pays them;
+            falls back to wall time if a variant cannot be captured.
+        compiled: both variants run under ``torch.compile`` (``fullgraph=True``), as the layers do
+            in a job with ``train.compile``: quantization is Inductor's fused kernel, not the
+            eager one.
 
     Returns:
         Median and inter-quartile range of both variants' wall time per repetition, in ms.
@@ -114,10 +115,24 @@ def time_layer_step(
         variants = {
             name: LokaLinear(
                 in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
-                kernels=layer_kernels, grad_format=grad_format, cuda_graphs=cuda_graphs and name == "fp8",
+                kernels=layer_kernels, grad_format=grad_format,
             )
             for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
         }
+    if compiled:
+        variants = {name: torch.compile(layer, fullgraph=True, dynamic=False) for name, layer in variants.items()}
+        # Every checked layer is another instance, hence another compiled entry, of LokaLinear's
+        # forward: raise Dynamo's per-code limit for this call instead of failing on the 9th layer.
+        limits = torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096)
+    else:
+        limits = contextlib.nullcontext()
+    with limits:
+        return _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype,
+                              reps=reps, warmup=warmup, gen=gen, device_time=device_time)  # fmt: skip
+
+
+def _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype, *, reps, warmup,
+                   gen, device_time) -> LayerTiming:  # fmt: skip
     x = torch.randn(rows, in_features, generator=gen, device=device, dtype=torch.float32).to(input_dtype)
     x.requires_grad_(True)
     out_dtype = autocast_dtype or input_dtype
@@ -163,8 +178,8 @@ def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional
 
     Each call makes its own detached aliases of the input and the parameters, so that every
     gradient accumulator the captured backward uses is made inside the capture (see
-    :mod:`loka_torchrec.dispatch.layer_graph`)."""
-    from loka_torchrec.dispatch.layer_graph import release_generator
+    :func:`loka_torchrec.dispatch.measure.graph_replay_ms`)."""
+    from loka_torchrec.dispatch.measure import release_generator
 
     device = x.device
 
@@ -209,7 +224,6 @@ def _timing_key(module, layer_plan: LayerPlan, rows: int) -> Tuple:
     return (
         module.in_features, module.out_features, rows, module.bias is not None, layer_plan.kernels,
         module.weight.dtype, getattr(module, "last_input_dtype", None), getattr(module, "last_autocast_dtype", None),
-        bool(getattr(module, "cuda_graphs", False)),
     )
 
 
@@ -221,17 +235,21 @@ def check_plan_layers(
     reps: int,
     grad_format: Fp8Format,
     device_time: bool = False,
+    compiled: bool = False,
 ) -> Tuple[DispatchPlan, List[dict]]:
     """``plan`` with every FP8 layer that is not faster as a whole sent back to bf16.
 
     Args:
         plan: the policy's plan.
         layers: FQN -> ``LokaLinear`` (their ``last_rows``, ``last_input_dtype`` and
-            ``last_autocast_dtype`` give the shape and precision to time at, ``cuda_graphs``
-            whether the FP8 variant replays graphs).
+            ``last_autocast_dtype`` give the shape and precision to time at).
         min_speedup: the gate on the layer's conservative speedup.
         reps: timed repetitions per variant.
-        device_time: time CUDA-graph replays (``dispatch.dense_graphs``; see :func:`time_layer_step`).
+        device_time: time CUDA-graph replays (see :func:`time_layer_step`).
+        compiled: time both variants compiled (``dispatch.compiled``; see :func:`time_layer_step`).
+
+    A layer whose FP8 variant cannot run at its shape (an error from a backend or the compiler)
+    goes back to bf16 with the error as the reason; planning goes on.
 
     Returns:
         ``(checked_plan, records)``: one record per checked layer with both times (ms), the
@@ -250,14 +268,20 @@ def check_plan_layers(
         if key not in cache:
             device = module.weight.device
             input_dtype = getattr(module, "last_input_dtype", None) or module.weight.dtype
-            cache[key] = time_layer_step(
-                module.in_features, module.out_features, rows, layer_plan.kernels,
-                bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
-                input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
-                grad_format=grad_format, reps=reps, cuda_graphs=bool(getattr(module, "cuda_graphs", False)),
-                device_time=device_time,
-            )
+            try:
+                cache[key] = time_layer_step(
+                    module.in_features, module.out_features, rows, layer_plan.kernels,
+                    bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
+                    input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
+                    grad_format=grad_format, reps=reps, device_time=device_time, compiled=compiled,
+                )
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is excluded, not fatal
+                cache[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         timing = cache[key]
+        if isinstance(timing, str):
+            records.append({"layer": name, "rows": rows, "error": timing, "kept_fp8": False})
+            checked[name] = _back_to_bf16(layer_plan, f"layer check: the FP8 layer failed to run at {rows} rows: {timing}")
+            continue
         keep = timing.speedup_low >= min_speedup
         records.append({
             "layer": name, "rows": rows, "fp8_ms": timing.fp8_ms.value, "bf16_ms": timing.bf16_ms.value,
@@ -271,11 +295,15 @@ def check_plan_layers(
             f"layer check: fwd+bwd {timing.fp8_ms.value:.3f} ms with fwd={k.fwd}, dgrad={k.dgrad}, wgrad={k.wgrad} vs "
             f"{timing.bf16_ms.value:.3f} ms in bf16, {timing.speedup:.2f}x (lo {timing.speedup_low:.2f}x < {min_speedup})"
         )
-        roles = {
-            role: RoleDecision(BF16, reason, SOURCE, None, decision.considered)
-            for role, decision in layer_plan.roles.items()
-        }
-        for role in GemmRole:
-            roles.setdefault(role, RoleDecision(BF16, reason, SOURCE))
-        checked[name] = dataclasses.replace(layer_plan, roles=roles)
+        checked[name] = _back_to_bf16(layer_plan, reason)
     return dataclasses.replace(plan, layers=checked), records
+
+
+def _back_to_bf16(layer_plan: LayerPlan, reason: str) -> LayerPlan:
+    roles = {
+        role: RoleDecision(BF16, reason, SOURCE, None, decision.considered)
+        for role, decision in layer_plan.roles.items()
+    }
+    for role in GemmRole:
+        roles.setdefault(role, RoleDecision(BF16, reason, SOURCE))
+    return dataclasses.replace(layer_plan, roles=roles)

@@ -19,7 +19,7 @@ from loka_torchrec.dispatch.recipes import recipe_for
 from loka_torchrec.evidence import GemmRole, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, mere
 
-__all__ = ["run_role_gemm", "mean_interval", "time_ms", "graph_replay_ms", "role_operands", "t_quantile_975"]
+__all__ = ["excluded_note", "run_role_gemm", "mean_interval", "time_ms", "graph_replay_ms", "role_operands", "t_quantile_975"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,29 @@ def role_operands(role: GemmRole, x: torch.Tensor, weight: torch.Tensor, grad_ou
 def run_role_gemm(
     choice: KernelChoice, role: GemmRole, a: torch.Tensor, b: torch.Tensor, *, grad_format: Fp8Format, out_dtype=torch.float32
 ) -> torch.Tensor:
-    """``A @ B^T`` through ``choice``, quantization included."""
+    """``A @ B^T`` through ``choice``, quantization included.
+
+    As in ``LokaLinear``, the operands are zero-padded to the backend's alignment (16 for
+    ``torch._scaled_mm`` on CUDA) and the result cropped: the numbers are those of the GEMM
+    training would run, at any shape.
+    """
     backend = get_backend(choice.backend)
     if choice.is_high_precision:
         return backend.gemm(a, b, None, out_dtype)
-    return backend.gemm(a, b, recipe_for(choice.recipe, role, grad_format=grad_format), out_dtype)
+    (m, k), n = a.shape, b.shape[0]
+    align = backend.alignment(a.device)
+    if align > 1 and (m % align or k % align or n % align):
+        pad = lambda d: -(-d // align) * align  # noqa: E731
+        a = torch.nn.functional.pad(a, (0, pad(k) - k, 0, pad(m) - m))
+        b = torch.nn.functional.pad(b, (0, pad(k) - k, 0, pad(n) - n))
+    out = backend.gemm(a, b, recipe_for(choice.recipe, role, grad_format=grad_format), out_dtype)
+    return out[:m, :n] if out.shape != (m, n) else out
+
+
+def excluded_note(exc: BaseException) -> str:
+    """The ``note`` of a candidate that could not run: ``"excluded: <error, first line>"``."""
+    text = str(exc).strip().splitlines()
+    return f"excluded: {type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def error_samples(
@@ -97,6 +115,25 @@ def error_samples(
     return out
 
 
+def release_generator(device: torch.device) -> None:
+    """Hand ``device``'s default CUDA generator back to eager use after a failed capture.
+
+    A capture marks the generators it registers as capturing and unmarks them only when it ends
+    cleanly; one that raises leaves the mark, and every later random op on the device fails. A
+    capture of one trivial kernel sets and clears the mark again. Harmless when nothing failed.
+    """
+    try:
+        scratch = torch.zeros(1, device=device)
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                scratch.add_(1)
+            del graph
+    except Exception as exc:  # the device itself is in error: nothing more to do here
+        logger.warning("could not reset the CUDA generator of %s after a failed capture: %s", device, exc)
+
+
 def graph_replay_ms(calls: Sequence[Callable[[], object]], *, reps: int, device: torch.device) -> Optional[List[float]]:
     """Device time per call (ms) of ``calls`` captured in order into one CUDA graph: one sample per
     replay (the replay's time over ``len(calls)``), ``reps`` samples.
@@ -105,8 +142,6 @@ def graph_replay_ms(calls: Sequence[Callable[[], object]], *, reps: int, device:
     kernels; run each call once beforehand (compilation, workspaces). ``None`` when the calls
     cannot be captured (the caller then times them eagerly).
     """
-    from loka_torchrec.dispatch.layer_graph import release_generator
-
     try:
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()

@@ -57,11 +57,37 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from loka_torchrec.dispatch.layer_graph import Sightings, capturing, compiling, release_generator
+from loka_torchrec.dispatch.linear import compiling
+from loka_torchrec.dispatch.measure import release_generator
 
 __all__ = ["ModuleGraphs", "graph_dense_modules", "default_dense_modules"]
 
 logger = logging.getLogger(__name__)
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Sightings:
+    """How many times each key (an input shape, a plan) was seen; the most recent ``limit`` keys
+    are kept, so that jagged inputs whose shape changes every step cannot grow it without bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._counts: "collections.OrderedDict[Tuple, int]" = collections.OrderedDict()
+
+    def add(self, key) -> int:
+        """Count one more sighting of ``key``; returns its count."""
+        count = self._counts.pop(key, 0) + 1
+        self._counts[key] = count
+        if len(self._counts) > self.limit:
+            self._counts.popitem(last=False)
+        return count
+
+    def clear(self) -> None:
+        self._counts.clear()
 
 
 def _resolved(args: Tuple) -> Tuple:

@@ -26,6 +26,8 @@ def decide_role(
 ) -> RoleDecision:
     """Pick the kernel for one GEMM from its candidates' evidence."""
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
+    excluded = [e for e in fp8 if e.note.startswith("excluded")]
+    fp8 = [e for e in fp8 if not e.note.startswith("excluded")]
     admissible = [e for e in fp8 if e.error.high < max_mere and e.speedup_low >= min_speedup]
     if admissible:
         best = max(admissible, key=lambda e: (e.speedup, -e.error.value))
@@ -35,7 +37,8 @@ def decide_role(
         )
         return RoleDecision(best.candidate, reason, source, best, tuple(evidence))
     if not fp8:
-        return RoleDecision(BF16, "no FP8 candidate could run here", source, None, tuple(evidence))
+        why = "; ".join(f"{e.candidate} {e.note}" for e in excluded)
+        return RoleDecision(BF16, "no FP8 candidate could run here" + (f" ({why})" if why else ""), source, None, tuple(evidence))
     accurate = [e for e in fp8 if e.error.high < max_mere]
     if accurate:
         best = max(accurate, key=lambda e: e.speedup)

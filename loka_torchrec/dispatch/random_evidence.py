@@ -7,21 +7,28 @@ For every managed layer, role and candidate it measures
 * time: the role's whole work (quantization of both operands included) at the layer's real
   shape, median and IQR over ``reps`` runs, next to the bf16 baseline at the same shape.
 
+A candidate that fails at a shape (a backend's kernel that cannot take it) is recorded with NaN
+numbers and the error in ``note`` (``"excluded: ..."``); the policy never picks it.
+
 It knows nothing about the data's real distribution (outliers, correlations); the Probe's provider
 does, and becomes the default when the Probe is on. Both tag their evidence with ``source``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Dict, List
 
 import torch
 
-from loka_torchrec.dispatch.measure import error_samples, mean_interval, role_operands, run_role_gemm, time_ms
-from loka_torchrec.evidence import CandidateEvidence, GemmRole, GemmShape, KernelChoice, BF16
+from loka_torchrec.dispatch.measure import error_samples, excluded_note, mean_interval, role_operands, run_role_gemm, time_ms
+from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 
 __all__ = ["measure_random_evidence"]
+
+logger = logging.getLogger(__name__)
 
 _ERROR_ROWS = 256  # rows per error sample for fwd/dgrad: per-element error does not depend on M
 
@@ -73,22 +80,29 @@ def measure_random_evidence(
             full_a, full_b = full_a.to(weight.dtype), full_b.to(weight.dtype)
             baseline = time_ms(lambda: run_role_gemm(BF16, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype), reps=reps, device=device, device_time=device_time)
             for choice in fp8_choices:
-                errors = error_samples(choice, role, pairs, grad_format=grad_format)
-                timing = time_ms(
-                    lambda: run_role_gemm(choice, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype),
-                    reps=reps, device=device, device_time=device_time,
-                )
+                note = ""
+                try:
+                    error = mean_interval(error_samples(choice, role, pairs, grad_format=grad_format))
+                    timing = time_ms(
+                        lambda: run_role_gemm(choice, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype),
+                        reps=reps, device=device, device_time=device_time,
+                    )
+                except Exception as exc:  # noqa: BLE001 - a kernel that cannot run at this shape is excluded
+                    error = timing = Interval(math.nan, math.nan, math.nan, 0, "none")
+                    note = excluded_note(exc)
+                    logger.warning("dispatch: %s %s %s at %s excluded: %s", name, role.value, choice, shape, note)
                 evidence.append(
                     CandidateEvidence(
                         layer=name,
                         role=role,
                         candidate=choice,
                         shape=shape,
-                        error=mean_interval(errors),
+                        error=error,
                         time_ms=timing,
                         baseline_time_ms=baseline,
                         source="random",
                         device=device_name,
+                        note=note,
                     )
                 )
     return evidence

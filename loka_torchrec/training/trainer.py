@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loka_torchrec.baselines import BaselineConfig
+from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -116,6 +117,12 @@ class TrainConfig:
             step's time is the interval between two step ends on the host clock, which over a
             window of steps is the loop's real throughput (the GPU is synchronized once before
             the window, and whenever the job itself reads a value back). No effect on a CPU.
+        compile: ``torch.compile`` of the model's dense modules (:mod:`loka_torchrec.compile`):
+            ``auto`` (``reduce-overhead``, Inductor with CUDA graphs, on CUDA; eager on a CPU),
+            ``none``, ``default``, ``reduce-overhead`` or ``max-autotune-no-cudagraphs``. The
+            embedding tables stay eager. With LoKA, its layers compile with the rest
+            (``dispatch.compiled`` is set), and the steps that need eager hooks (the Probe's,
+            and those before a random-evidence plan) run eagerly.
         deterministic: run PyTorch's deterministic kernels where they exist
             (:func:`enable_determinism`), so that two runs of one configuration and seed give the
             same numbers and an NE difference between two configurations is theirs, not the
@@ -141,8 +148,13 @@ class TrainConfig:
     deterministic: bool = False
     data_workers: Optional[int] = None
     step_sync: bool = False
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
+        from loka_torchrec.compile import COMPILE_MODES
+
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"train.compile: expected one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         for name in ("deterministic", "step_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
@@ -271,6 +283,11 @@ class Trainer:
         os.makedirs(self.rank_dir, exist_ok=True)
         baseline_config = baseline_config or BaselineConfig()
         check_baseline_vs_loka(baseline_config, loka_config)
+        self.compile_mode = resolve_compile_mode(train_config.compile, ctx.device)
+        if self.compile_mode is not None and loka_config.enabled:
+            # Dispatch offers only kernels that trace, and times candidates as the compiled step runs them.
+            loka_config = dataclasses.replace(loka_config, dispatch=dataclasses.replace(loka_config.dispatch, compiled=True))
+            self.loka_cfg = loka_config
         # 1. LoKA converts the unsharded model (mods, LokaLinear, dispatcher) before DMP wraps it.
         self.loka = None
         if loka_config.enabled:
@@ -287,6 +304,12 @@ class Trainer:
             self.baseline = apply_baseline(model, baseline_config)
             if ctx.is_main:
                 logger.info("%s", self.baseline)
+        # 1c. torch.compile of the dense modules, in place (names and state_dict keys unchanged).
+        self.compiled_modules: List[str] = []
+        if self.compile_mode is not None:
+            # Transformer Engine's modules do not trace whole: let Dynamo break the graph around them.
+            fullgraph = baseline_config.kind != "te"
+            self.compiled_modules = compile_dense(model, self.compile_mode, fullgraph=fullgraph)
         # 2. Sharders: FP8 embedding comms come with LoKA's comms registry when configured.
         sharders = self._sharders(default_sharders)
         # 3. Shard with TorchRec's planner and DMP (DMPCollection with train.sharding_group_size);
@@ -400,7 +423,8 @@ class Trainer:
                 profiler.before_step(step + 1)
             t0 = time.perf_counter() if cfg.step_sync else last_end
             try:
-                loss, logits, labels = self.pipeline.progress(batches)
+                with eager() if self._eager_step(step + 1) else contextlib.nullcontext():
+                    loss, logits, labels = self.pipeline.progress(batches)
             except StopIteration:
                 break
             step += 1
@@ -472,6 +496,7 @@ class Trainer:
             "sharding_group_size": cfg.sharding_group_size,
             "sync_every": cfg.sync_every if cfg.sharding_group_size is not None else None,
             "deterministic": cfg.deterministic,
+            "compile": self._compile_summary(),
             "step_sync": cfg.step_sync,
             "data_workers": self._data_workers,
             "train_ne": last_train.get("train/ne"),
@@ -504,6 +529,16 @@ class Trainer:
         if workers and self.cfg.data_workers:
             logger.warning("train.data_workers=%d: this data has no random access; batches are made in the loop", workers)
         return iter(self.train_data(self.start_step))
+
+    def _eager_step(self, step: int) -> bool:
+        """Whether compiled modules run eagerly at ``step``: the Probe's hooks are armed, or Dispatch
+        plans from random evidence after this step and reads the layers' row counts from it."""
+        if not self.compiled_modules or self.loka is None:
+            return False
+        if self.probe is not None and self.probe.probing:
+            return True
+        dispatch = self.loka_cfg.dispatch
+        return dispatch.mode == "policy" and dispatch.evidence in ("random", "auto") and self.probe is None and step <= dispatch.plan_at_step
 
     def _restart_step_clock(self) -> float:
         """After work that is not a training step (eval, checkpoint, profiler set-up): drain the GPU
@@ -610,6 +645,20 @@ class Trainer:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return float(peak.item()) / 2**30
 
+    def _compile_summary(self) -> Dict[str, Any]:
+        """The compile mode, the compiled modules and Dynamo's counters of this process (graphs
+        compiled, graph breaks by reason): a graph break or a recompile every step shows here."""
+        from torch._dynamo.utils import counters
+
+        breaks = {str(reason): int(n) for reason, n in counters["graph_break"].items()}
+        return {
+            "mode": self.compile_mode or "none",
+            "modules": list(self.compiled_modules),
+            "graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5]),
+        }
+
     def _loka_summary(self) -> Optional[Dict[str, Any]]:
         if self.loka is None:
             return None
@@ -626,7 +675,6 @@ class Trainer:
             # What the checks after planning saw (rank 0 records them): layer timings, guard verdicts.
             "layer_checks": [e for e in self.loka.dispatcher.events if e.get("event") == "layer_check"],
             "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
-            "cuda_graphs": self._cuda_graph_summary(),
             "dense_graphs": [g.summary() for g in self.loka.dense_graphs.values()],
             # Where planning time went (host seconds, this rank): the Probe's parts and Dispatch's.
             "seconds": {
@@ -635,18 +683,3 @@ class Trainer:
             },
             "monitoring": self.probe.cadence.summary() if self.probe is not None else None,
         }
-
-    def _cuda_graph_summary(self) -> Optional[Dict[str, Any]]:
-        """This rank's CUDA-graph counters over the layers with ``cuda_graphs`` on, else ``None``."""
-        layers = [m for m in self.loka.dispatcher.managed_layers().values() if getattr(m, "cuda_graphs", False)]
-        if not layers:
-            return None
-        failures = sorted({m.graphs.failure for m in layers if m.graphs.failure is not None})
-        return {
-            "layers": len(layers),
-            "captured_layers": sum(1 for m in layers if m.graphs.captures > 0),
-            "captures": sum(m.graphs.captures for m in layers),
-            "replays": sum(m.graphs.replays for m in layers),
-            "failures": failures,
-        }
-

@@ -47,6 +47,9 @@ class GemmBackend(abc.ABC):
         fused_quantize: whether its quantization is a single fused kernel.
         in_auto: whether ``candidates: [auto]`` includes it (a backend that is never the fastest
             can opt out; it stays selectable by name).
+        compile_recipes: the recipes whose quantization and GEMM ``torch.compile`` traces
+            (``fullgraph=True``: aten or ``torch.library`` operators with fake implementations);
+            Dispatch offers only these when the layers run compiled (``dispatch.compiled``).
     """
 
     name: ClassVar[str]
@@ -54,6 +57,7 @@ class GemmBackend(abc.ABC):
     devices: ClassVar[Tuple[str, ...]]
     fused_quantize: ClassVar[bool] = False
     in_auto: ClassVar[bool] = True
+    compile_recipes: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._availability: Dict[str, Availability] = {}
@@ -93,6 +97,23 @@ class GemmBackend(abc.ABC):
         if align > 1 and (shape.k % align or shape.n % align):
             return f"{self.name} needs K and N to be multiples of {align} on {torch.device(device).type}; got K={shape.k}, N={shape.n}"
         return None
+
+    def padded_shape(self, shape: GemmShape, device: "torch.device | str") -> GemmShape:
+        """``shape`` with every dim rounded up to :meth:`alignment`: what ``LokaLinear`` runs (it
+        zero-pads the operands, which changes neither the product nor any amax)."""
+        align = self.alignment(device)
+        return GemmShape(*(-(-d // align) * align for d in (shape.m, shape.k, shape.n)))
+
+    def check_padded(self, recipe: GemmRecipe, shape: GemmShape, device: "torch.device | str") -> Optional[str]:
+        """:meth:`check` at :meth:`padded_shape`: ``None`` if a ``LokaLinear`` GEMM of ``shape`` can
+        run here on this backend, else the reason."""
+        return self.check(recipe, self.padded_shape(shape, device), device)
+
+    def compile_reason(self, recipe: str) -> Optional[str]:
+        """``None`` if ``recipe`` runs under ``torch.compile``, else why not."""
+        if recipe in self.compile_recipes:
+            return None
+        return f"{self.name}:{recipe} does not trace under torch.compile (its kernels have no fake implementation)"
 
     # ----------------------------------------------------------------------------- compute
     @abc.abstractmethod

@@ -22,6 +22,7 @@ class EmulatedBackend(GemmBackend):
     name = "emulated"
     recipes = ("tensorwise", "rowwise", "blockwise")
     devices = ("cpu", "cuda")
+    compile_recipes = ("tensorwise", "rowwise", "blockwise")
 
     def quantize(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Fp8Tensor:
         return quantize(

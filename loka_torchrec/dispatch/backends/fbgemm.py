@@ -69,6 +69,7 @@ class FbgemmBackend(GemmBackend):
     name = "fbgemm"
     recipes = ("rowwise", "triton_rowwise")
     devices = ("cuda",)
+    compile_recipes = ("rowwise",)
     fused_quantize = True
 
     def __init__(self) -> None:

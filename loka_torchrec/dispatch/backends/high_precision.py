@@ -24,6 +24,7 @@ class HighPrecisionBackend(GemmBackend):
     name = "bf16"
     recipes = ("hp",)
     devices = ("cpu", "cuda")
+    compile_recipes = ("hp",)
 
     def quantize(self, t: torch.Tensor, spec: OperandSpec = None, *, name: str = "operand") -> torch.Tensor:
         return t.to(high_precision_dtype(t))

@@ -29,6 +29,7 @@ class ScaledMMBackend(GemmBackend):
     name = "scaled_mm"
     recipes = ("tensorwise", "rowwise")
     devices = ("cpu", "cuda")
+    compile_recipes = ("tensorwise", "rowwise")
 
     def _probe(self, device: torch.device) -> Availability:
         if not hasattr(torch, "_scaled_mm"):

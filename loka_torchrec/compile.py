@@ -1,0 +1,116 @@
+"""``torch.compile`` for a TorchRec model's dense part, the way LoKA runs on a GPU.
+
+The embedding tables stay eager, as in TorchRec (their lookups are FBGEMM kernels behind
+TorchRec's sharded modules and input distribution); the dense modules around them (DLRM's
+``dense_arch`` and ``over_arch``, DHEN's and HSTU's ``over_arch``) are compiled in place with
+``nn.Module.compile``, so module types, parameter objects and ``state_dict`` keys do not change,
+and ``DistributedModelParallel`` and TorchRec's train pipelines wrap the model as before.
+
+``LokaLinear`` layers inside them trace into the same graph (``fullgraph=True``): their operand
+quantization fuses into the producing ops, the plan is static state, and a new plan recompiles
+once. Steps that must run eagerly (the Probe's statistics hooks, the steps before the first plan
+whose row counts Dispatch reads) run inside :func:`eager`.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.ModuleDict({"over_arch": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())})
+    >>> compile_dense(model, "default")
+    ['over_arch']
+    >>> with eager():
+    ...     model["over_arch"](torch.randn(2, 4)).shape
+    torch.Size([2, 8])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["COMPILE_MODES", "compile_dense", "dense_modules", "eager", "resolve_compile_mode"]
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+"""``train.compile`` values: ``auto`` is ``reduce-overhead`` (Inductor with CUDA graphs) on CUDA and
+``none`` elsewhere; the others are ``torch.compile`` modes (``none``: eager)."""
+
+
+def resolve_compile_mode(mode: str, device: "torch.device | str") -> Optional[str]:
+    """The ``torch.compile`` mode for ``mode`` on ``device``; ``None`` means run eagerly.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`COMPILE_MODES`.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"train.compile: expected one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return None if mode == "none" else mode
+
+
+def _is_table(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or "Embedding" in type(module).__name__
+
+
+def dense_modules(model: nn.Module, prefix: str = "") -> List[str]:
+    """The largest submodules of ``model`` that hold parameters and no embedding tables, by name.
+
+    A child without tables is taken whole; a child with tables inside (a wrapper of the whole
+    model, an arch that embeds positions) is searched the same way, and so is a
+    ``ModuleList``/``ModuleDict`` (never called itself). DHEN: ``over_arch``; TorchRec's DLRM (as
+    the project wraps it): ``model.dense_arch`` and ``model.over_arch``.
+    """
+    names = []
+    for name, child in model.named_children():
+        if _is_table(child):
+            continue
+        if any(_is_table(m) for m in child.modules()) or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            names += dense_modules(child, f"{prefix}{name}.")
+        elif any(True for _ in child.parameters()):
+            names.append(prefix + name)
+    return names
+
+
+def compile_dense(
+    model: nn.Module, mode: str, *, modules: Sequence[str] = (), fullgraph: bool = True, dynamic: Optional[bool] = None
+) -> List[str]:
+    """Compile ``model``'s dense submodules in place (``nn.Module.compile``); returns their names.
+
+    Call it on the unsharded model after :func:`loka_torchrec.apply` and before
+    ``DistributedModelParallel``.
+
+    Args:
+        model: the model.
+        mode: a ``torch.compile`` mode (``default``, ``reduce-overhead``,
+            ``max-autotune-no-cudagraphs``).
+        modules: submodule names (``model.get_submodule``); empty: :func:`dense_modules`.
+        fullgraph: refuse graph breaks (LoKA's layers have none).
+        dynamic: ``torch.compile``'s ``dynamic``; ``None`` compiles static shapes first and marks
+            a dim dynamic once it changes (one recompile, then none for jagged row counts).
+
+    Raises:
+        ValueError: an unknown mode or submodule name.
+    """
+    if mode not in COMPILE_MODES[2:]:
+        raise ValueError(f"compile_dense: mode must be one of {', '.join(COMPILE_MODES[2:])}, got {mode!r}")
+    names = list(modules) or dense_modules(model)
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError as exc:
+            raise ValueError(f"compile_dense: modules: no submodule {name!r} in the model ({exc})") from None
+        module.compile(mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    logger.info("compiled (torch.compile mode=%s): %s", mode, ", ".join(names) or "nothing")
+    return names
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Run compiled modules with their own eager forward inside this block (no tracing, no replay)."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
