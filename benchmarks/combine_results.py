@@ -3,9 +3,11 @@
 Each device call writes its own ``<date>-<name>.json``; a comparison across recipes usually needs
 runs from several calls. This reads those files, keeps one record per (recipe, run, seed) (the
 first file that has it wins, so list the files in order of preference), and writes the per-run
-table and the step-time / NE plot with ``e2e_compare``'s own aggregation. Step times of runs from
-different calls are not paired: the table names each run's source file, and the reader should
-compare within a file where it matters. Usage::
+table and the step-time / NE plot with ``e2e_compare``'s own aggregation: speed-ups over the best
+bf16 compile mode of the same recipe and seed (``bf16_compile`` or ``bf16_compile_cudagraphs``,
+else eager ``bf16``; files from before the compiled runs have only the last), NE vs eager ``bf16``.
+Step times of runs from different calls are not paired: the table names each run's source file,
+and the reader should compare within a file where it matters. Usage::
 
     python benchmarks/combine_results.py --out benchmarks/results/H100/2026-11-25-e2e-latest \\
         benchmarks/results/H100/2026-11-25-e2e-dhen-1gpu-dense.json ...
@@ -23,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_compare import _fmt, aggregate, plot  # noqa: E402  (the same aggregation as one call's report)
+from e2e_compare import _fmt, _times, aggregate, plot, reference_words  # noqa: E402  (the same aggregation as one call's report)
 
 
 def load_records(paths: Sequence[str], exclude: Sequence[str] = ()) -> List[Dict[str, Any]]:
@@ -72,15 +74,23 @@ def to_markdown(records: List[Dict[str, Any]], rows: List[Dict[str, Any]], comma
             f"[{_fmt(r.get('p10_step_ms'), '.2f')}, {_fmt(r.get('p90_step_ms'), '.2f')}] | {_fmt(r.get('eval_ne'), '.5f')} "
             f"| {_fmt(r.get('eval_auc'), '.4f')} | {_fmt(r.get('peak_memory_gb'), '.2f')} | {fp8} | `{r['source']}` |"
         )
-    lines += ["", "Per recipe and run, means over seeds (NE vs bf16 paired by seed):", ""]
-    lines += ["| recipe | run | seeds | step ms | speed-up vs bf16 | NE vs bf16 % [min, max] |", "|---|---|---|---|---|---|"]
+    lines += ["", "Per recipe and run, means over seeds (speed-ups and NE vs eager bf16 paired by seed):", ""]
+    references = {}
+    for row in rows:
+        references.setdefault(row["recipe"], row["speed_reference"])
+    lines += [f"- {recipe}: speed-up reference {reference_words(ref)}" for recipe, ref in references.items()]
+    lines += [
+        "",
+        "| recipe | run | seeds | step ms | speed-up vs best bf16 compile | vs eager bf16 | NE vs bf16 % [min, max] |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if row["status"] == "not_run":
             continue
         rng = row.get("ne_vs_bf16_pct_range")
         lines.append(
             f"| {row['recipe']} | {row['run']} | {', '.join(map(str, row['seeds_ok']))} | {_fmt(row['median_step_ms'], '.2f')} "
-            f"| {_fmt(row['speedup_vs_bf16'], '.3f')}x | {_fmt(row['ne_vs_bf16_pct'], '+.2f')}"
+            f"| {_times(row['speedup_vs_reference'])} | {_times(row['speedup_vs_bf16'])} | {_fmt(row['ne_vs_bf16_pct'], '+.2f')}"
             + (f" [{rng[0]:+.2f}, {rng[1]:+.2f}]" if rng else "")
             + " |"
         )

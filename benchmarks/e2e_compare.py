@@ -1,10 +1,10 @@
-"""End-to-end comparison: LoKA against bf16 and other libraries' FP8 training, on the real job.
+"""End-to-end comparison: LoKA against bf16 + ``torch.compile`` and other libraries' FP8 training.
 
-For each recipe (``--recipes``, default the GPU-sized ``dlrm_large,dhen_large,hstu_large``), run
-(``--runs``) and seed (``--seeds``), launches the training job
+For each recipe (``--recipes``, default the GPU-sized ``dlrm_large,dhen_large,dhen_xl,hstu_large,
+hstu_xl``), run (``--runs``) and seed (``--seeds``), launches the training job
 
     torchrun --standalone --nproc_per_node=N -m loka_torchrec.train model=<recipe> device=<device>
-        <the run's overrides> seed=<s> train.steps=<n> train.timing_start=<w> train.autocast=bf16 ...
+        <the run's overrides> train.compile=<mode> seed=<s> train.steps=<n> train.timing_start=<w> ...
 
 with ``LOKA_RUN_DIR`` set to its own folder, one at a time, under a per-run timeout and an
 overall deadline; a failing run is recorded (exit status, the last error line, the log's tail)
@@ -17,46 +17,61 @@ conversion report, and writes
     <out>/<date>-<name>.md     the tables, skipped/failed runs with reasons, exact commands
     <out>/<date>-<name>.png    step time (median, p10-p90) and NE vs bf16 per run (matplotlib)
 
-NE vs bf16 is relative, in %: ``100 * (NE_run - NE_bf16) / NE_bf16`` for the same seed (same
-data and initialization), then mean, min and max over seeds; next to it each run's own
-seed-to-seed NE spread (sample std over seeds, % of the mean), to tell a difference from noise.
+The reference for speed-ups is the best bf16 compile mode: per recipe and seed, the faster of
+``bf16_compile`` and ``bf16_compile_cudagraphs`` (``bf16`` if neither completed); the report
+names the run it was per seed. Each run's speed-up is the reference's step time over the run's,
+averaged over the seeds both completed; the speed-up over eager ``bf16`` is given beside it.
+NE vs bf16 is relative to eager ``bf16`` of the same seed (same data and initialization; compiling
+does not change what is computed), in %: ``100 * (NE_run - NE_bf16) / NE_bf16``, then mean, min
+and max over seeds; next to it each run's own seed-to-seed NE spread (sample std over seeds, %
+of the mean), to tell a difference from noise.
 
-Runs (``--runs``):
+Runs (``--runs``; the compile mode is the job's ``train.compile``: ``none`` is eager;
+``default`` is Inductor without CUDA graphs; ``reduce-overhead`` adds CUDA graphs, and Inductor
+runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cudagraphs``):
 
-* ``bf16``: LoKA's model (Mods on) with every GEMM in bf16 (``loka.dispatch.mode=all-bf16``);
-* ``bf16_nomods``: the plain model (``loka.enabled=false``);
-* ``torchao_tensorwise``, ``torchao_rowwise``, ``torchao_rowwise_with_gw_hp``: torchao's
-  ``convert_to_float8_training`` on the dense linears (``baseline.kind=torchao``; eager, no
-  ``torch.compile``); ``--torchao-auto-filter`` adds torchao's size filter (not for gw_hp);
+* ``bf16``: LoKA's model (Mods on) with every GEMM in bf16 (``loka.dispatch.mode=all-bf16``), eager;
+* ``bf16_compile``, ``bf16_compile_cudagraphs``: the same with ``train.compile=default`` and
+  ``train.compile=reduce-overhead``: the baseline users run, and the reference for speed-ups;
+* ``bf16_nomods``: the plain model (``loka.enabled=false``), eager;
+* ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's
+  ``convert_to_float8_training`` with its own size filter (``baseline.auto_filter=true``) on the
+  dense linears, ``train.compile=reduce-overhead``: the mode the faster bf16 baseline may use,
+  so that FP8 is compared at the same host overhead; torchao's dynamic scaling keeps no state
+  between steps, so its graphs can be captured. ``..._compile_default`` (not in the default list):
+  the same with ``train.compile=default``, for when capturing fails or to separate the two effects;
+* ``torchao_tensorwise``, ``torchao_rowwise``, ``torchao_rowwise_with_gw_hp``: torchao eager (not
+  in the default list; torchao is meant to be compiled); ``--torchao-auto-filter`` adds its size
+  filter (not for gw_hp);
 * ``te``: Transformer Engine ``Linear`` + FP8 autocast, ``DelayedScaling`` (TE's default on
-  H100); ``te_tensorwise``: the same with ``Float8CurrentScaling`` (not in the default list);
-* ``loka``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward;
-* ``loka_graphs``: ``loka`` with its FP8 layers replaying CUDA graphs
-  (``loka.dispatch.cuda_graphs=true``; CUDA only; not in the default list);
-* ``bf16_graphs`` and ``loka_dense_graphs``: ``bf16`` and ``loka`` with the model's dense modules
-  replaying CUDA graphs of their forward and backward (``loka.dispatch.dense_graphs=true``; CUDA
-  only; not in the default list): the step without most of its host time, and what FP8 adds there;
-* ``loka_comms_off``: the same with TorchRec's fp32 embedding comms (not in the default list);
+  H100), eager; ``te_tensorwise``: the same with ``Float8CurrentScaling`` (not in the default list);
+* ``loka_compile``: Probe -> Dispatch -> FP8, Mods on, FP8 embedding all-to-all forward, with
+  ``train.compile=reduce-overhead``; ``loka_compile_default`` (not in the default list): with
+  ``train.compile=default``; ``loka`` (not in the default list): the same, eager;
+* ``loka_comms_off``: ``loka`` with TorchRec's fp32 embedding comms (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list).
 
 Every run gets ``train.autocast=<--autocast>`` (default bf16: GEMMs left in high precision and
-the other dense ops run in bf16 under ``torch.autocast``). A run whose library is not installed,
-or ``te`` on ``--device cpu``, is skipped with the reason, without launching it.
+the other dense ops run in bf16 under ``torch.autocast``) and its ``train.compile`` mode (eager runs
+say ``none``, so that the job's default does not decide). A run whose library is not installed,
+``te`` on ``--device cpu``, or a compiled run where the installed job has no ``train.compile``
+option, is skipped with the reason, without launching it.
 
 ``--profile-start N --profile-steps K`` (default off) profiles steps ``N..N+K-1`` of every run
-(``train.profile_start/profile_steps``; those steps are left out of the step times) and adds the
-section "Where the step goes": per run and seed, kernel ms per step, the shares of GEMMs (bf16 +
-fp8), FP8 quantization, embeddings, communication and the rest, the device's idle share, and the
-Amdahl ceiling of the step if every GEMM ran 2x faster (``loka_torchrec/training/profiling.py``).
-Put the window after ``--window-start`` (steady state), e.g. ``--steps 300 --window-start 220
---profile-start 290 --profile-steps 5``.
+(``train.profile_start/profile_steps``; those steps are left out of the step times): the main
+table gets each run's GEMM share of the kernel time and the Amdahl ceiling of the step if every
+GEMM ran 2x faster, and the section "Where the step goes" gives per run and seed kernel ms per
+step, the shares of GEMMs (bf16 + fp8), FP8 quantization, embeddings, communication and the
+rest, and the device's idle share (``loka_torchrec/training/profiling.py``). Put the window
+after ``--window-start`` (steady state: compiled, CUDA graphs recorded, the plan made), e.g.
+``--steps 300 --probe-warmup 100 --profile-start 290 --profile-steps 5``.
 
 Usage (one H100)::
 
     python benchmarks/e2e_compare.py --out benchmarks/results/H100 --nproc 1 --seeds 0,1
 
-CPU smoke run (tiny model; what ``tests/test_e2e_compare.py`` runs)::
+CPU smoke run (tiny model, eager runs; what ``tests/test_e2e_compare.py`` runs)::
 
     python benchmarks/e2e_compare.py --device cpu --recipes dlrm --runs bf16,bf16_nomods,loka \\
         --nproc 2 --steps 8 --window-start 4 --probe-warmup 3 --out /tmp/e2e \\
@@ -68,6 +83,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -86,8 +102,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from loka_torchrec.atomic_files import write_text_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_RECIPES = ("dlrm_large", "dhen_large", "hstu_large")
-REFERENCE = "bf16"
+DEFAULT_RECIPES = ("dlrm_large", "dhen_large", "dhen_xl", "hstu_large", "hstu_xl")
+# Speed-ups are over the faster of these (per recipe and seed), else over FALLBACK_REFERENCE.
+COMPILED_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs")
+FALLBACK_REFERENCE = "bf16"
+NE_REFERENCE = "bf16"  # NE differences are to eager bf16 of the same seed
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +117,7 @@ class RunSpec:
     Attributes:
         name: the run's name (``--runs``).
         overrides: Hydra overrides of the training job.
+        compile: the job's ``train.compile`` mode (``"none"``: eager).
         library: the Python module the run needs (``None``: only this project).
         pip: how to install ``library``.
         cuda_only: the run cannot work on ``--device cpu``.
@@ -104,18 +125,29 @@ class RunSpec:
 
     name: str
     overrides: Tuple[str, ...]
+    compile: str = "none"
     library: Optional[str] = None
     pip: Optional[str] = None
     cuda_only: bool = False
 
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"RunSpec.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
-def _torchao(recipe: str) -> RunSpec:
+
+_BF16 = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all")
+_LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8")
+
+
+def _torchao(name: str, recipe: str, compile: str = "none", auto_filter: bool = False) -> RunSpec:
     return RunSpec(
-        f"torchao_{recipe}",
-        ("loka.enabled=false", "baseline.kind=torchao", f"baseline.recipe={recipe}"),
+        name,
+        ("loka.enabled=false", "baseline.kind=torchao", f"baseline.recipe={recipe}",
+         *(["baseline.auto_filter=true"] if auto_filter else [])),
+        compile=compile,
         library="torchao",
         pip="pip install torchao",
-    )
+    )  # fmt: skip
 
 
 def _te(name: str, recipe: str) -> RunSpec:
@@ -131,46 +163,53 @@ def _te(name: str, recipe: str) -> RunSpec:
 RUNS: Dict[str, RunSpec] = {
     spec.name: spec
     for spec in (
-        RunSpec("bf16", ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all")),
+        RunSpec("bf16", _BF16),
+        RunSpec("bf16_compile", _BF16, compile="default"),
+        RunSpec("bf16_compile_cudagraphs", _BF16, compile="reduce-overhead"),
         RunSpec("bf16_nomods", ("loka.enabled=false",)),
-        RunSpec(
-            "bf16_graphs",
-            ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all", "loka.dispatch.dense_graphs=true"),
-            cuda_only=True,
-        ),
-        _torchao("tensorwise"),
-        _torchao("rowwise"),
-        _torchao("rowwise_with_gw_hp"),
+        _torchao("torchao_tensorwise_compile", "tensorwise", "reduce-overhead", auto_filter=True),
+        _torchao("torchao_rowwise_compile", "rowwise", "reduce-overhead", auto_filter=True),
+        _torchao("torchao_tensorwise_compile_default", "tensorwise", "default", auto_filter=True),
+        _torchao("torchao_rowwise_compile_default", "rowwise", "default", auto_filter=True),
+        _torchao("torchao_tensorwise", "tensorwise"),
+        _torchao("torchao_rowwise", "rowwise"),
+        _torchao("torchao_rowwise_with_gw_hp", "rowwise_with_gw_hp"),
         _te("te", "delayed"),
         _te("te_tensorwise", "tensorwise"),
-        RunSpec(
-            "loka",
-            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8"),
-        ),
-        RunSpec(
-            "loka_graphs",
-            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
-             "loka.dispatch.cuda_graphs=true"),
-            cuda_only=True,
-        ),
-        RunSpec(
-            "loka_dense_graphs",
-            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
-             "loka.dispatch.dense_graphs=true"),
-            cuda_only=True,
-        ),
+        RunSpec("loka", _LOKA),
+        RunSpec("loka_compile", _LOKA, compile="reduce-overhead"),
+        RunSpec("loka_compile_default", _LOKA, compile="default"),
         # Multi-rank comparisons: LoKA with TorchRec's own fp32 embedding comms, and LoKA under
         # DMPCollection (2D sparse parallelism: sharding groups of one rank, replicated).
-        RunSpec("loka_comms_off", ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")),
-        RunSpec(
-            "loka_dmpc",
-            ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8",
-             "train.sharding_group_size=1"),
-            cuda_only=True,
-        ),
+        RunSpec("loka_comms_off", _LOKA[:-1]),
+        RunSpec("loka_dmpc", (*_LOKA, "train.sharding_group_size=1"), cuda_only=True),
     )
 }
-DEFAULT_RUNS = ("bf16", "bf16_nomods", "torchao_tensorwise", "torchao_rowwise", "torchao_rowwise_with_gw_hp", "te", "loka")
+DEFAULT_RUNS = (
+    "bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_tensorwise_compile", "torchao_rowwise_compile", "te",
+    "loka_compile",
+)  # fmt: skip
+# Runs of the hand-written CUDA-graph machinery, and what replaces each under torch.compile.
+_RETIRED_RUNS = {"bf16_graphs": "bf16_compile_cudagraphs", "loka_graphs": "loka_compile", "loka_dense_graphs": "loka_compile"}
+# The eager torchao runs that --torchao-auto-filter applies to (the compiled ones always filter).
+_TORCHAO_FILTERABLE = ("torchao_tensorwise", "torchao_rowwise")
+
+
+@functools.lru_cache(maxsize=None)
+def job_has_compile_option() -> bool:
+    """Whether the installed training job knows ``train.compile`` (its ``recipes/config.yaml``, the
+    one ``-m loka_torchrec.train`` composes); a job without it refuses the override."""
+    spec = importlib.util.find_spec("loka_torchrec.recipes")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    from omegaconf import OmegaConf
+
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "config.yaml")
+        if os.path.isfile(path):
+            train = OmegaConf.load(path).get("train") or {}
+            return "compile" in train
+    return False
 
 
 # --------------------------------------------------------------------------------------- arguments
@@ -206,7 +245,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="train.deterministic=true in every run: NE differences between runs are then the runs', not GPU atomics'",
     )
-    p.add_argument("--torchao-auto-filter", action="store_true", help="torchao's own size filter (tensorwise, rowwise runs)")
+    p.add_argument(
+        "--torchao-auto-filter",
+        action="store_true",
+        help="torchao's own size filter for the eager torchao_tensorwise, torchao_rowwise runs (the compiled ones always use it)",
+    )
     p.add_argument(
         "--profile-start",
         type=int,
@@ -226,7 +269,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.one_seed_runs = _names(args.one_seed_runs)
     unknown = [r for r in args.runs + args.one_seed_runs if r not in RUNS]
     if unknown:
-        p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
+        retired = [r for r in unknown if r in _RETIRED_RUNS]
+        hint = f" ({', '.join(retired)}: retired with the hand-written CUDA graphs; see {', '.join(_RETIRED_RUNS[r] for r in retired)})" if retired else ""
+        p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)}{hint}")
     try:
         args.seeds = [int(s) for s in _names(args.seeds)]
     except ValueError:
@@ -272,9 +317,13 @@ def _torchrun() -> List[str]:
 def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int) -> List[str]:
     """The Hydra overrides of one run, in order (later ones win)."""
     overrides = [f"model={recipe}", f"device={args.device}", *spec.overrides]
+    # Eager runs say so too, so that the job's default mode never decides; a job that predates
+    # the option gets no override for them (compiled runs are skipped there, see preflight).
+    if spec.compile != "none" or job_has_compile_option():
+        overrides.append(f"train.compile={spec.compile}")
     if spec.name.startswith("loka"):  # every LoKA run plans at the end of the same warm-up
         overrides.append(f"loka.probe.warmup_steps={args.probe_warmup}")
-    if args.torchao_auto_filter and spec.name in ("torchao_tensorwise", "torchao_rowwise"):
+    if args.torchao_auto_filter and spec.name in _TORCHAO_FILTERABLE:
         overrides.append("baseline.auto_filter=true")
     overrides += [
         f"seed={seed}",
@@ -299,7 +348,12 @@ def profile_overrides(args: argparse.Namespace) -> List[str]:
 def preflight(args: argparse.Namespace, spec: RunSpec) -> Optional[str]:
     """Why ``spec`` cannot run here (it is then skipped, not launched), or ``None``."""
     if spec.cuda_only and args.device != "cuda":
-        return f"{spec.library} runs on CUDA only (--device {args.device})"
+        return f"{spec.library or spec.name} runs on CUDA only (--device {args.device})"
+    if spec.compile != "none" and not job_has_compile_option():
+        return (
+            f"train.compile={spec.compile}: the installed loka_torchrec has no train.compile option "
+            "(its recipes/config.yaml predates it)"
+        )
     if spec.library is not None and importlib.util.find_spec(spec.library) is None:
         return f"{spec.library} is not installed: {spec.pip}"
     return None
@@ -400,8 +454,6 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "layer_checks": loka.get("layer_checks") or [],
             "step_guard_verdicts": loka.get("step_guard_verdicts") or [],
             "step_guard": loka.get("step_guard"),
-            "cuda_graphs": loka.get("cuda_graphs"),
-            "dense_graphs": loka.get("dense_graphs") or [],
             "seconds": loka.get("seconds"),
             "monitoring": loka.get("monitoring"),
         }
@@ -409,6 +461,8 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
         out["baseline"] = s["baseline"]
     if s.get("profile"):
         out["profile"] = s["profile"]
+    if s.get("compile") is not None:  # what the job reports of its torch.compile (mode, recompiles), kept as is
+        out["compile"] = s["compile"]
     if s.get("probe_cost"):
         out["probe_cost"] = s["probe_cost"]
     return out
@@ -420,20 +474,65 @@ def _mean(values: List[float]) -> Optional[float]:
     return statistics.fmean(values) if values else None
 
 
+def _ok(records: List[Dict[str, Any]], recipe: str, run: str) -> Dict[int, Dict[str, Any]]:
+    """The completed records of ``run`` on ``recipe``, by seed."""
+    return {r["seed"]: r for r in records if r["recipe"] == recipe and r["run"] == run and r["status"] == "ok"}
+
+
+def speed_references(records: List[Dict[str, Any]], recipe: str) -> Dict[int, Dict[str, Any]]:
+    """Per seed, the record speed-ups are measured against: the faster (median step) of the
+    completed ``bf16_compile`` and ``bf16_compile_cudagraphs`` runs of that seed, else ``bf16``.
+    Seeds with none of them are absent."""
+    refs: Dict[int, Dict[str, Any]] = {}
+    compiled = [_ok(records, recipe, run) for run in COMPILED_REFERENCES]
+    fallback = _ok(records, recipe, FALLBACK_REFERENCE)
+    for seed in sorted({s for by_seed in compiled + [fallback] for s in by_seed}):
+        timed = [by_seed[seed] for by_seed in compiled if by_seed.get(seed, {}).get("median_step_ms")]
+        if timed:
+            refs[seed] = min(timed, key=lambda r: r["median_step_ms"])
+        elif fallback.get(seed, {}).get("median_step_ms"):
+            refs[seed] = fallback[seed]
+    return refs
+
+
+def _speedup(ok: List[Dict[str, Any]], refs: Dict[int, Dict[str, Any]]) -> Optional[float]:
+    """Mean reference step time over mean step time of ``ok``, both over the seeds that have a reference."""
+    paired = [r for r in ok if r["seed"] in refs and r.get("median_step_ms")]
+    mine = _mean([r["median_step_ms"] for r in paired])
+    ref_ms = _mean([refs[r["seed"]]["median_step_ms"] for r in paired])
+    return ref_ms / mine if ref_ms and mine else None
+
+
+def _profile_means(ok: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    """The GEMM share of the kernel time and the 2x-GEMM Amdahl ceiling, means over profiled seeds."""
+    profiles = [r["profile"] for r in ok if r.get("profile")]
+    return {
+        "gemm_share": _mean([p.get("gemm_share") for p in profiles]),
+        "amdahl_2x_gemm_ceiling": _mean([p.get("amdahl_2x_gemm_ceiling") for p in profiles]),
+    }
+
+
 def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]) -> List[Dict[str, Any]]:
-    """One row per recipe x run: means over the seeds that ran, NE vs bf16 paired by seed."""
+    """One row per recipe x run: means over the seeds that ran; speed-ups over the best bf16
+    compile mode of the same seed (:func:`speed_references`) and over eager bf16; NE vs eager bf16
+    paired by seed. Every row of a recipe names its per-seed reference in ``speed_reference``."""
     rows = []
     for recipe in recipes:
-        ref = {r["seed"]: r for r in records if r["recipe"] == recipe and r["run"] == REFERENCE and r["status"] == "ok"}
+        refs = speed_references(records, recipe)
+        eager = {s: r for s, r in _ok(records, recipe, FALLBACK_REFERENCE).items() if r.get("median_step_ms")}
+        ne_ref = _ok(records, recipe, NE_REFERENCE)
+        reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
         for run in runs:
             mine = [r for r in records if r["recipe"] == recipe and r["run"] == run]
             ok = [r for r in mine if r["status"] == "ok"]
             row: Dict[str, Any] = {
                 "recipe": recipe,
                 "run": run,
+                "compile": RUNS[run].compile if run in RUNS else None,
                 "seeds_ok": [r["seed"] for r in ok],
                 "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
+                "speed_reference": reference,
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
                 row[key] = _mean([r.get(key) for r in ok])
@@ -442,14 +541,15 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
             nes = [r["eval_ne"] for r in ok if r.get("eval_ne") is not None]
             row["ne_seed_spread_pct"] = 100 * statistics.stdev(nes) / statistics.fmean(nes) if len(nes) > 1 else None
             diffs = [
-                100 * (r["eval_ne"] - ref[r["seed"]]["eval_ne"]) / ref[r["seed"]]["eval_ne"]
+                100 * (r["eval_ne"] - ne_ref[r["seed"]]["eval_ne"]) / ne_ref[r["seed"]]["eval_ne"]
                 for r in ok
-                if r["seed"] in ref and r.get("eval_ne") is not None and ref[r["seed"]].get("eval_ne")
+                if r["seed"] in ne_ref and r.get("eval_ne") is not None and ne_ref[r["seed"]].get("eval_ne")
             ]
             row["ne_vs_bf16_pct"] = _mean(diffs)
             row["ne_vs_bf16_pct_range"] = [min(diffs), max(diffs)] if diffs else None
-            ref_ms = _mean([ref[s].get("median_step_ms") for s in row["seeds_ok"] if s in ref])
-            row["speedup_vs_bf16"] = ref_ms / row["median_step_ms"] if ref_ms and row["median_step_ms"] else None
+            row["speedup_vs_reference"] = _speedup(ok, refs)
+            row["speedup_vs_bf16"] = _speedup(ok, eager)
+            row.update(_profile_means(ok))
             dispatch = [r["dispatch"] for r in ok if r.get("dispatch")]
             if dispatch:
                 row["dispatch"] = dispatch[0]["summary"]
@@ -465,6 +565,15 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
                 )
             rows.append(row)
     return rows
+
+
+def reference_words(reference: Dict[Any, Dict[str, Any]]) -> str:
+    """``seed 0: `bf16_compile_cudagraphs` (8.28 ms); seed 1: ...``, or why there is none."""
+    if not reference:
+        return "none (no bf16 run completed): no speed-ups"
+    return "; ".join(
+        f"seed {seed}: `{ref['run']}` ({_fmt(ref['median_step_ms'], '.2f')} ms)" for seed, ref in sorted(reference.items())
+    )
 
 
 # --------------------------------------------------------------------------------------- reports
@@ -520,7 +629,7 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
     """"What LoKA decided": per LoKA run and seed, the layer check, the step-time guard and the Probe's cost."""
     runs = [
         r for r in records
-        if r.get("status") == "ok" and r.get("dispatch") and (r["run"].startswith("loka") or r["dispatch"].get("dense_graphs"))
+        if r.get("status") == "ok" and r.get("dispatch") and r["run"].startswith("loka")
     ]  # fmt: skip
     if not runs:
         return []
@@ -537,8 +646,8 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         "",
         "| recipe | run | seed | FP8 GEMMs at the end | layer check kept / checked | guard: bf16 -> plan ms | "
         "probe steps extra ms (warm-up, monitoring, plan) | monitoring every N steps | plan seconds (errors, speeds, "
-        "layer check) | probe share of this run | projected share, 100k steps | CUDA graphs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "layer check) | probe share of this run | projected share, 100k steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         d = r["dispatch"]
@@ -563,29 +672,9 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
             f"| {r['recipe']} | {r['run']} | {r['seed']} | {d.get('fp8_gemms')}/{d.get('gemms')} | {kept} / {len(checks)} | {guard} "
             f"| {_fmt(cost.get('warmup_extra_ms'), '.1f')}, {_fmt(cost.get('monitoring_extra_ms'), '.1f')}, {_fmt(cost.get('plan_extra_ms'), '.0f')} "
             f"| {_fmt(cost.get('monitoring_interval'), 'd')} | {plan_s} "
-            f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% "
-            f"| {_graphs_cell(d.get('cuda_graphs'), d.get('dense_graphs'))} |"
+            f"| {_fmt(None if measured is None else 100 * measured, '.2f')}% | {_fmt(None if projected is None else 100 * projected, '.2f')}% |"
         )
     return lines + [""]
-
-
-def _graphs_cell(graphs: Optional[Dict[str, Any]], dense: Optional[List[Dict[str, Any]]] = None) -> str:
-    """Layer graphs: ``captured/layers layers, N replays``; dense graphs: per module its captures,
-    replays and eager calls (and why capturing failed); or ``off``."""
-    cells = []
-    if graphs:
-        cell = f"{graphs['captured_layers']}/{graphs['layers']} layers, {graphs['replays']} replays"
-        if graphs.get("failures"):
-            cell += "; failed: " + "; ".join(f.replace("|", "/")[:120] for f in graphs["failures"])
-        cells.append(cell)
-    for g in dense or []:
-        cell = f"dense `{g['module']}`: {g['captures']} captures, {g['replays']} replays, {g['eager_calls']} eager"
-        if g.get("failure"):
-            cell += "; failed: " + g["failure"].replace("|", "/")[:120]
-        if g.get("gave_up"):
-            cell += "; gave up: " + g["gave_up"][:120]
-        cells.append(cell)
-    return "; ".join(cells) or "off"
 
 
 def _timing_words(overrides: Sequence[str], device: str) -> str:
@@ -602,6 +691,7 @@ def _timing_words(overrides: Sequence[str], device: str) -> str:
 
 def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[Dict[str, Any]]) -> str:
     a = meta["settings"]
+    profiled = any(r.get("gemm_share") is not None for r in rows)
     lines = [
         f"# End-to-end comparison, {meta['date']}",
         "",
@@ -612,35 +702,49 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"(median and p10/p90 of per-step times, {_timing_words(a.get('override') or [], a['device'])}; rank 0), "
         f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}"
         + (", deterministic kernels (`train.deterministic=true`)" if a.get("deterministic") else ""),
-        "- NE vs bf16: relative difference of the final eval NE to the `bf16` run of the same seed, "
+        "- compile: each run's `train.compile` mode (none: eager; default: Inductor; reduce-overhead: Inductor "
+        "and CUDA graphs), the dense modules compiled, the embeddings eager",
+        "- speed-up: the reference's step time over the run's, per recipe and seed the faster of "
+        f"`{'` and `'.join(COMPILED_REFERENCES)}` (`{FALLBACK_REFERENCE}` if neither completed; named under each "
+        f"recipe), mean over the seeds both completed; beside it the same over eager `{FALLBACK_REFERENCE}`",
+        f"- NE vs bf16: relative difference of the final eval NE to the eager `{NE_REFERENCE}` run of the same seed, "
         "mean over seeds [min, max]; NE spread: the run's own seed-to-seed std, % of its mean NE",
-        "- torchao runs eagerly (no `torch.compile`, which torchao recommends for speed)",
-        f"- total: {meta['seconds']:.0f} s",
-        "",
+        "- FP8: for LoKA runs the Dispatch plan (GEMMs in FP8 of all, by kernel), for baselines the layers converted",
     ]
+    if profiled:
+        lines.append(
+            "- GEMM %: GEMMs' share of the profiled steps' kernel time; 2x ceiling: the step's speed-up if every "
+            "GEMM ran 2x faster (section \"Where the step goes\")"
+        )
+    lines += [f"- total: {meta['seconds']:.0f} s", ""]
+    extra_head = " GEMM % | 2x ceiling |" if profiled else ""
     for recipe in a["recipes"]:
+        mine = [r for r in rows if r["recipe"] == recipe]
+        reference = mine[0]["speed_reference"] if mine else {}
         lines += [
             f"## {recipe}",
             "",
-            "| run | status | step ms median [p10, p90] | speed-up vs bf16 | QPS | peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"Speed-up reference: {reference_words(reference)}.",
+            "",
+            "| run | compile | status | step ms median [p10, p90] | speed-up vs best bf16 compile | vs eager bf16 | QPS "
+            "| peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 |" + extra_head,
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if profiled else ""),
         ]
-        for r in (r for r in rows if r["recipe"] == recipe):
+        for r in mine:
             rng = r["ne_vs_bf16_pct_range"]
             ne_diff = f"{_fmt(r['ne_vs_bf16_pct'], '+.2f')}" + (f" [{rng[0]:+.2f}, {rng[1]:+.2f}]" if rng and len(r["seeds_ok"]) > 1 else "")
-            if r.get("dispatch"):
-                fp8 = r["dispatch"]
-            elif r.get("baseline"):
-                fp8 = r["baseline"]
-            else:
-                fp8 = "-"
-            lines.append(
-                f"| {r['run']} | {r['status']} | {_fmt(r['median_step_ms'], '.2f')} "
+            fp8 = r.get("dispatch") or r.get("baseline") or "-"
+            line = (
+                f"| {r['run']} | {r.get('compile') or '?'} | {r['status']} | {_fmt(r['median_step_ms'], '.2f')} "
                 f"[{_fmt(r['p10_step_ms'], '.2f')}, {_fmt(r['p90_step_ms'], '.2f')}] "
-                f"| {_fmt(r['speedup_vs_bf16'], '.3f')}{'x' if r['speedup_vs_bf16'] else ''} | {_fmt(r['qps'], '.0f')} | {_fmt(r['peak_memory_gb'], '.2f')} "
-                f"| {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} | {ne_diff} "
+                f"| {_times(r.get('speedup_vs_reference'))} | {_times(r.get('speedup_vs_bf16'))} | {_fmt(r['qps'], '.0f')} "
+                f"| {_fmt(r['peak_memory_gb'], '.2f')} | {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} | {ne_diff} "
                 f"| {_fmt(r['ne_seed_spread_pct'], '.3f')} | {fp8} |"
             )
+            if profiled:
+                share = r.get("gemm_share")
+                line += f" {_fmt(None if share is None else 100 * share, '.1f')} | {_times(r.get('amdahl_2x_gemm_ceiling'))} |"
+            lines.append(line)
         lines.append("")
     not_ok = [r for r in records if r["status"] != "ok"]
     if not_ok:
@@ -655,6 +759,11 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     lines += [r["command"] for r in records if r.get("command")]
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def _times(v: Optional[float]) -> str:
+    """A speed-up as ``1.234x``, or ``n/a``."""
+    return f"{_fmt(v, '.3f')}x" if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
 
 
 def plot(path: str, rows: List[Dict[str, Any]], recipes: List[str]) -> Optional[str]:
@@ -767,7 +876,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         },
         "runs_dir": runs_dir,
-        "run_overrides": {name: list(RUNS[name].overrides) for name in args.runs},
+        "run_overrides": {name: [*RUNS[name].overrides, f"train.compile={RUNS[name].compile}"] for name in args.runs},
+        "speed_reference": f"per recipe and seed the faster of {', '.join(COMPILED_REFERENCES)}, else {FALLBACK_REFERENCE}",
+        "ne_reference": NE_REFERENCE,
     }
     records: List[Dict[str, Any]] = []
 

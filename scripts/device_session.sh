@@ -56,6 +56,11 @@
 #                                             Triton cache, then with the cache the first run filled
 #   bash scripts/device_session.sh hstu3      HSTU large, deterministic, seed 1: bf16 and loka; seed 0:
 #                                             loka with dense graphs
+#   bash scripts/device_session.sh compiled RECIPE [SEEDS]  the compiled comparison (e2e_compare.py's
+#                                             default runs: bf16 eager and compiled in both modes,
+#                                             torchao compiled, TE, loka_compile) on one recipe, e.g.
+#                                             `compiled dhen_xl 0`; runs the deadline cuts are listed
+#                                             as not run (split seeds over calls, then combine_results.py)
 #
 # Run from the repository root with the packages installed (../shared/device/README.md):
 #     export PYTHONPATH=/tmp/site && bash scripts/device_session.sh comms
@@ -348,8 +353,14 @@ p.sort_stats('tottime').print_stats(40)
     e2e e2e-hstu-1gpu-dense "$(( $(left) - 20 ))" --recipes hstu_large --seeds 0 --runs loka_dense_graphs --run-timeout 110
     packed_end
     ;;
+  compiled)
+    recipe=${2:?usage: device_session.sh compiled RECIPE [SEEDS]}
+    packed_begin
+    e2e "e2e-compiled-$recipe" "$(( $(left) - 20 ))" --recipes "$recipe" --seeds "${3:-$SEEDS}" --run-timeout 240
+    packed_end
+    ;;
   *)
-    echo "device_session.sh: unknown stage $stage (comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu4 | final2 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
+    echo "device_session.sh: unknown stage $stage (compiled RECIPE [SEEDS] | comms | single | multi | graphs | graphs_check | dlrm | baselines | hstu | harness | dense | dense2 | baselines2 | hstu2 | final | budget | budget2 | hstu4 | final2 | hstu_baselines | dlrm_baselines | planprof | hstu3)" >&2
     exit 2
     ;;
 esac

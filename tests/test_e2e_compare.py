@@ -20,8 +20,9 @@ def _driver():
     return module
 
 
-def test_run_overrides_and_window():
+def test_run_overrides_and_window(monkeypatch):
     e2e = _driver()
+    monkeypatch.setattr(e2e, "job_has_compile_option", lambda: True)
     args = e2e.parse_args(["--runs", "bf16,loka,torchao_rowwise", "--steps", "500", "--torchao-auto-filter", "--override", "data.batch_size=64"])
     assert args.window_start == 280 and args.seeds == [0, 1]  # warm-up 200 + plan + step-time guard
     loka = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka"], 1)
@@ -33,6 +34,7 @@ def test_run_overrides_and_window():
     assert "baseline.auto_filter=true" in e2e.run_overrides(args, "dlrm_large", e2e.RUNS["torchao_rowwise"], 0)
     bf16 = e2e.run_overrides(args, "dlrm_large", e2e.RUNS["bf16"], 0)
     assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all" in bf16
+    assert "train.compile=none" in bf16 and "train.compile=none" in loka  # eager says so: the job's default never decides
     # the window starts after the probe's warm-up (the plan) and the step-time guard's verdict
     assert e2e.parse_args(["--runs", "loka", "--steps", "300"]).window_start == 280
     # the same window without loka runs, so that separate invocations time the same steps
@@ -134,7 +136,8 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
     assert rows["bf16"]["ne_vs_bf16_pct"] == 0.0
     expected = 100 * (runs["loka"]["eval_ne"] - runs["bf16"]["eval_ne"]) / runs["bf16"]["eval_ne"]
     assert rows["loka"]["ne_vs_bf16_pct"] == pytest.approx(expected)
-    for text in ("## dlrm", "| loka | ok |", "| te | skipped |", "CUDA only", "## Commands", "LOKA_RUN_DIR="):
+    for text in ("## dlrm", "| loka | none | ok |", "| te | none | skipped |", "CUDA only", "## Commands", "LOKA_RUN_DIR=",
+                 "Speed-up reference: seed 0: `bf16` ("):
         assert text in md
 
 
@@ -167,24 +170,6 @@ def test_profile_flags_and_where_the_step_goes_section():
     assert row == "| dhen_large | loka | 0 | 40.00 | 30.00 | 40.0 (30.0 + 10.0) | 5.0 | 20.0 | 15.0 | 20.0 | 25.0 | 1.250x (1.176x) |"
     without = dict(record, profile=None)
     assert "Where the step goes" not in e2e.to_markdown(meta, e2e.aggregate([without], ["dhen_large"], ["loka"]), [without])
-
-
-def test_graphs_cell_says_what_was_captured_and_why_not():
-    e2e = _driver()
-    assert e2e._graphs_cell(None) == "off"
-    ok = {"layers": 7, "captured_layers": 5, "captures": 5, "replays": 900, "failures": []}
-    assert e2e._graphs_cell(ok) == "5/7 layers, 900 replays"
-    failed = dict(ok, captured_layers=0, replays=0, failures=["RuntimeError: a | b"])
-    assert e2e._graphs_cell(failed) == "0/7 layers, 0 replays; failed: RuntimeError: a / b"
-
-
-def test_graphs_cell_with_dense_graphs():
-    e2e = _driver()
-    dense = [{"module": "over_arch", "captures": 2, "replays": 150, "eager_calls": 110, "failure": None}]
-    assert e2e._graphs_cell(None, dense) == "dense `over_arch`: 2 captures, 150 replays, 110 eager"
-    failed = [{"module": "m", "captures": 0, "replays": 0, "eager_calls": 9, "failure": "RuntimeError: x | y"}]
-    assert e2e._graphs_cell(None, failed).endswith("failed: RuntimeError: x / y")
-    assert e2e._graphs_cell(None, []) == "off"
 
 
 def _result_file(path, runs):
@@ -221,10 +206,139 @@ def test_combine_results_keeps_the_first_record_per_run_and_pairs_ne_by_seed(tmp
     out = tmp_path / "combined"
     assert combine.main(["--out", str(out), "--exclude", "dhen:torchao", first, second]) == 0
     text = (out.parent / "combined.md").read_text()
-    assert "| dhen | loka | 0 | 16.00 | 1.250x | +0.00 [+0.00, +0.00] |" in text
-    assert "| dhen | te | 0 | 40.00 | 0.500x | +5.00 [+5.00, +5.00] |" in text
+    assert "| dhen | loka | 0 | 16.00 | 1.250x | 1.250x | +0.00 [+0.00, +0.00] |" in text  # no compiled bf16: eager is the reference
+    assert "| dhen | te | 0 | 40.00 | 0.500x | 0.500x | +5.00 [+5.00, +5.00] |" in text
+    assert "- dhen: speed-up reference seed 0: `bf16` (20.00 ms)" in text
     assert "torchao" not in text.split("command:")[1].split("\n", 1)[1]  # excluded from the tables
+    # with a compiled bf16 run in a later file, that one is the reference where it is faster
+    third = _result_file(tmp_path / "c.json", [("dhen", "bf16_compile_cudagraphs", 0, "ok", 12.0, 0.80, "train.py seed=0")])
+    assert combine.main(["--out", str(out), first, second, third]) == 0
+    text = (out.parent / "combined.md").read_text()
+    assert "- dhen: speed-up reference seed 0: `bf16_compile_cudagraphs` (12.00 ms)" in text
+    assert "| dhen | loka | 0 | 16.00 | 0.750x | 1.250x |" in text
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     with pytest.raises(ValueError, match="bad.json: not an e2e_compare.py result"):
         combine.load_records([str(bad)])
+
+
+def test_compiled_runs_and_their_modes(monkeypatch):
+    """The compiled comparison is the default list; each compiled run is its eager twin plus
+    ``train.compile=<mode>``; torchao's compiled runs always use its size filter."""
+    e2e = _driver()
+    monkeypatch.setattr(e2e, "job_has_compile_option", lambda: True)
+    args = e2e.parse_args([])
+    assert args.runs == ["bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_tensorwise_compile",
+                         "torchao_rowwise_compile", "te", "loka_compile"]  # fmt: skip
+    assert args.recipes == ["dlrm_large", "dhen_large", "dhen_xl", "hstu_large", "hstu_xl"]
+    for name in ("loka_graphs", "bf16_graphs", "loka_dense_graphs"):  # the hand-written CUDA-graph runs are gone
+        assert name not in e2e.RUNS
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--runs", "loka_graphs"])
+    modes = {name: spec.compile for name, spec in e2e.RUNS.items()}
+    assert modes["bf16"] == modes["loka"] == modes["te"] == modes["bf16_nomods"] == "none"
+    assert modes["bf16_compile"] == "default" and modes["bf16_compile_cudagraphs"] == "reduce-overhead"
+    assert modes["loka_compile"] == modes["torchao_tensorwise_compile"] == modes["torchao_rowwise_compile"] == "reduce-overhead"
+    for compiled, eager in (("bf16_compile", "bf16"), ("bf16_compile_cudagraphs", "bf16"), ("loka_compile", "loka")):
+        got = e2e.run_overrides(args, "dhen_xl", e2e.RUNS[compiled], 0)
+        want = e2e.run_overrides(args, "dhen_xl", e2e.RUNS[eager], 0)
+        assert got == [o if o != "train.compile=none" else f"train.compile={modes[compiled]}" for o in want]
+    torchao = e2e.run_overrides(args, "dhen_xl", e2e.RUNS["torchao_rowwise_compile"], 0)
+    for item in ("loka.enabled=false", "baseline.kind=torchao", "baseline.recipe=rowwise", "baseline.auto_filter=true",
+                 "train.compile=reduce-overhead"):
+        assert item in torchao
+    assert "loka.probe.warmup_steps=200" in e2e.run_overrides(args, "dhen_xl", e2e.RUNS["loka_compile"], 0)
+    assert e2e.preflight(args, e2e.RUNS["loka_compile"]) is None
+    with pytest.raises(ValueError, match="RunSpec.compile: expected one of"):
+        e2e.RunSpec("x", (), compile="fast")
+
+
+def test_compiled_runs_are_skipped_where_the_job_has_no_compile_option(monkeypatch):
+    e2e = _driver()
+    monkeypatch.setattr(e2e, "job_has_compile_option", lambda: False)
+    args = e2e.parse_args(["--device", "cpu", "--runs", "bf16,bf16_compile"])
+    assert not any(o.startswith("train.compile=") for o in e2e.run_overrides(args, "dlrm", e2e.RUNS["bf16"], 0))
+    assert e2e.preflight(args, e2e.RUNS["bf16"]) is None
+    reason = e2e.preflight(args, e2e.RUNS["bf16_compile"])
+    assert reason.startswith("train.compile=default: the installed loka_torchrec has no train.compile option")
+    assert e2e.preflight(args, e2e.RUNS["loka_dmpc"]) == "loka_dmpc runs on CUDA only (--device cpu)"
+
+
+def test_job_has_compile_option_reads_the_installed_config():
+    """True exactly when the job's recipes/config.yaml has ``train.compile`` (what a ``train.compile=``
+    override needs)."""
+    from omegaconf import OmegaConf
+
+    import loka_torchrec.recipes
+
+    e2e = _driver()
+    config = OmegaConf.load(os.path.join(os.path.dirname(loka_torchrec.recipes.__file__), "config.yaml"))
+    assert e2e.job_has_compile_option() == ("compile" in config.train)
+
+
+def _rec(run, seed, ms, ne=0.8, status="ok", profile=None):
+    return {"recipe": "r", "run": run, "seed": seed, "status": status, "eval_ne": ne, "median_step_ms": ms,
+            "p10_step_ms": ms, "p90_step_ms": ms, "qps": 1000 / ms if ms else None, "eval_auc": 0.7,
+            "peak_memory_gb": None, "profile": profile}  # fmt: skip
+
+
+def test_aggregate_measures_speedups_against_the_best_bf16_compile_mode_per_seed():
+    """Seed 0: CUDA graphs win (8 ms < 9 ms); seed 1: the default mode wins (9 ms < 10 ms), so the
+    reference differs by seed. NE stays paired with eager bf16 of the same seed."""
+    e2e = _driver()
+    records = [
+        _rec("bf16", 0, 14.0, 0.80), _rec("bf16", 1, 16.0, 0.82),
+        _rec("bf16_compile", 0, 9.0, 0.80), _rec("bf16_compile", 1, 9.0, 0.82),
+        _rec("bf16_compile_cudagraphs", 0, 8.0, 0.80), _rec("bf16_compile_cudagraphs", 1, 10.0, 0.82),
+        _rec("loka_compile", 0, 6.0, 0.808), _rec("loka_compile", 1, 6.0, 0.82),
+        _rec("torchao_rowwise_compile", 0, 5.0), _rec("torchao_rowwise_compile", 1, None, status="failed"),
+    ]  # fmt: skip
+    runs = ["bf16", "bf16_compile", "bf16_compile_cudagraphs", "loka_compile", "torchao_rowwise_compile"]
+    rows = {r["run"]: r for r in e2e.aggregate(records, ["r"], runs)}
+    reference = rows["loka_compile"]["speed_reference"]
+    assert reference == {0: {"run": "bf16_compile_cudagraphs", "median_step_ms": 8.0},
+                         1: {"run": "bf16_compile", "median_step_ms": 9.0}}  # fmt: skip
+    assert all(r["speed_reference"] == reference for r in rows.values())
+    assert rows["loka_compile"]["speedup_vs_reference"] == pytest.approx((8.0 + 9.0) / 2 / 6.0)
+    assert rows["loka_compile"]["speedup_vs_bf16"] == pytest.approx(15.0 / 6.0)
+    assert rows["bf16_compile"]["speedup_vs_reference"] == pytest.approx(8.5 / 9.0)
+    assert rows["bf16_compile_cudagraphs"]["speedup_vs_reference"] == pytest.approx(8.5 / 9.0)
+    assert rows["torchao_rowwise_compile"]["speedup_vs_reference"] == pytest.approx(8.0 / 5.0)  # paired: seed 0 only
+    assert rows["torchao_rowwise_compile"]["status"] == "partial"
+    assert rows["loka_compile"]["ne_vs_bf16_pct"] == pytest.approx(0.5)  # vs eager bf16: +1 % and 0 %
+    assert rows["bf16_compile_cudagraphs"]["compile"] == "reduce-overhead" and rows["bf16"]["compile"] == "none"
+    assert e2e.reference_words(reference) == (
+        "seed 0: `bf16_compile_cudagraphs` (8.00 ms); seed 1: `bf16_compile` (9.00 ms)"
+    )
+
+    # Without compiled bf16 runs the reference is eager bf16; without any bf16 there is none.
+    eager_only = [r for r in records if r["run"] in ("bf16", "loka_compile")]
+    rows = {r["run"]: r for r in e2e.aggregate(eager_only, ["r"], ["bf16", "loka_compile"])}
+    assert {s: ref["run"] for s, ref in rows["loka_compile"]["speed_reference"].items()} == {0: "bf16", 1: "bf16"}
+    assert rows["loka_compile"]["speedup_vs_reference"] == pytest.approx(15.0 / 6.0)
+    alone = e2e.aggregate([_rec("loka_compile", 0, 6.0)], ["r"], ["loka_compile"])[0]
+    assert alone["speed_reference"] == {} and alone["speedup_vs_reference"] is None
+    assert e2e.reference_words({}).startswith("none (no bf16 run completed)")
+
+
+def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
+    e2e = _driver()
+    profile = {"steps": [290, 294], "source": "cuda kernels", "wall_ms_per_step": 9.0, "kernel_ms_per_step": 8.0,
+               "idle_share": 0.1, "gemm_share": 0.8, "amdahl_2x_gemm_ceiling": 1.667, "amdahl_2x_gemm_ceiling_wall": 1.5,
+               "shares": {"gemm_bf16": 0.5, "gemm_fp8": 0.3, "fp8_quantize": 0.05, "attention": 0.0, "embedding": 0.05,
+                          "comms": 0.0, "memcpy_memset": 0.0, "other": 0.1}}  # fmt: skip
+    loka = dict(_rec("loka_compile", 0, 6.0, 0.81, profile=profile), command="x",
+                dispatch={"summary": "10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25)", "fp8_by_backend": {"scaled_mm": 10},
+                          "fp8_gemms": 10, "gemms": 35})  # fmt: skip
+    records = [_rec("bf16", 0, 14.0), _rec("bf16_compile_cudagraphs", 0, 8.0), loka]
+    meta = {"date": "d", "device": "H100", "versions": {"torch": "2.13"}, "command": "c", "seconds": 1.0,
+            "settings": {"nproc": 1, "device": "cuda", "steps": 300, "window_start": 180, "autocast": "bf16",
+                         "seeds": [0], "recipes": ["r"]}}  # fmt: skip
+    runs = ["bf16", "bf16_compile_cudagraphs", "loka_compile"]
+    md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
+    assert "Speed-up reference: seed 0: `bf16_compile_cudagraphs` (8.00 ms)." in md
+    row = next(line for line in md.splitlines() if line.startswith("| loka_compile |"))
+    assert row.startswith("| loka_compile | reduce-overhead | ok | 6.00 [6.00, 6.00] | 1.333x | 2.333x |")
+    assert row.endswith("| 10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25) | 80.0 | 1.667x |")
+    assert "| bf16 | none | ok | 14.00 [14.00, 14.00] | 0.571x | 1.000x |" in md
+    assert "## Where the step goes" in md

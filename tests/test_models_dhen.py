@@ -103,6 +103,33 @@ def test_large_preset_has_lrm_shaped_gemms():
     assert (2048, 512) in shapes and (512, 2048) in shapes
 
 
+def test_xl_preset_is_a_16384_wide_stack_and_runs_on_meta():
+    """63 features x d 256 plus the dense token: every layer's widest GEMMs read or write the whole
+    stack. The over arch runs on ``meta`` (shapes only: its 0.8 B parameters are never allocated)."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    meta = torch.device("meta")
+    spec = _spec(num_tables=63, dim=256, num_dense=13, rows=1000)
+    model = build_dhen(DhenConfig.xl(), spec, meta)
+    arch = model.over_arch
+    assert arch.num_tokens == 64 and arch.num_tokens * model.config.embedding_dim == 16384
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert {(16384, 1024), (16384, 4096), (1024, 16384), (2016, 1024), (1024, 4096), (4096, 1024)} <= shapes
+    head = [m for m in arch.head if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in head] == [(16384, 4096), (4096, 1024), (1024, 1)]
+    batch = 4
+    pooled = KeyedTensor(
+        keys=[t.feature for t in spec.pooled_tables],
+        length_per_key=[256] * 63,
+        values=torch.empty(batch, 63 * 256, device=meta),
+    )
+    logits = arch(torch.empty(batch, 13, device=meta), pooled)
+    assert logits.shape == (batch,) and logits.device.type == "meta"
+    assert DhenConfig.from_options({"preset": "xl"}) == DhenConfig.xl()
+    with pytest.raises(ValueError, match="model.preset must be one of"):
+        DhenConfig.from_options({"preset": "huge"})
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="attention_heads"):
         DhenConfig(embedding_dim=30, attention_heads=4)

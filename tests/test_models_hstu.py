@@ -1,6 +1,7 @@
 """The HSTU-style model: jagged causal attention (no look-ahead, no leaks), shapes, mods."""
 
 import copy
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 import torch
@@ -161,3 +162,32 @@ def test_large_preset_gemm_shapes():
     assert layer.uvqk.widths == (512, 512, 512, 512)  # one fused GEMM: K = 512, N = 2048
     assert (layer.out.in_features, layer.out.out_features) == (512, 512)
     assert model.max_len == 128
+
+
+def test_xl_preset_gemm_shapes_and_a_tiny_batch_at_full_length():
+    """D = 1024, 8 heads of 128: one 1024 -> 4096 uvqk GEMM and a 1024 -> 1024 output per layer;
+    a batch of two histories (one of the full 512 items) runs forward and backward on the CPU."""
+    spec = DataSpec(
+        num_dense=13,
+        tables=(
+            TableSpec("t_item", "hist_item", 100, 1024, pooling_factor=512, sequence=True),
+            TableSpec("t_item", "cand_item", 100, 1024, pooling_factor=1, sequence=True),
+        ),
+    )
+    config = dataclasses_replace(HstuConfig.xl(), num_layers=1)  # one layer: the shapes, at a CPU's cost
+    model = build_hstu(config, spec, CPU, embedding_device=CPU)
+    layer = model.over_arch.layers[0]
+    assert layer.uvqk.widths == (1024, 1024, 1024, 1024)  # one fused GEMM: K = 1024, N = 4096
+    assert (layer.out.in_features, layer.out.out_features) == (1024, 1024)
+    assert model.max_len == 512
+    g = torch.Generator().manual_seed(0)
+    histories = [torch.randint(0, 100, (512,), generator=g).tolist(), [3, 4, 5]]
+    logits = model(torch.randn(2, 13, generator=g), _kjt(histories, [7, 8]))
+    assert logits.shape == (2,)
+    logits.sum().backward()
+    assert layer.uvqk.members["q"].weight.grad is not None and layer.out.weight.grad is not None
+    xl = HstuConfig.xl()
+    assert (xl.embedding_dim, xl.num_heads, xl.attention_dim, xl.num_layers) == (1024, 8, 128, 4)
+    assert HstuConfig.from_options({"preset": "xl"}) == xl
+    with pytest.raises(ValueError, match="model.preset must be one of"):
+        HstuConfig.from_options({"preset": "huge"})

@@ -45,15 +45,21 @@ def build(cfg, device=META):
     return build_model(model.pop("name"), model, data_spec(cfg["data"]), device)
 
 
+def _model_name(recipe):
+    return recipe.split("_")[0]  # dhen_xl -> dhen
+
+
 def test_every_model_has_a_small_and_a_large_recipe():
-    assert set(RECIPES) == {"dlrm", "dcn", "dhen", "hstu", "dlrm_large", "dcn_large", "dhen_large", "hstu_large"}
+    assert set(RECIPES) == {
+        "dlrm", "dcn", "dhen", "hstu", "dlrm_large", "dcn_large", "dhen_large", "hstu_large", "dhen_xl", "hstu_xl",
+    }  # fmt: skip
     assert set(MODEL_NAMES()) == {"dlrm", "dcn", "dhen", "hstu"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_and_builds_its_model(recipe):
     cfg = compose(f"model={recipe}")
-    assert cfg["model"]["name"] == recipe.replace("_large", "")
+    assert cfg["model"]["name"] == _model_name(recipe)
     assert cfg["data"]["kind"] == ("sequence" if recipe.startswith("hstu") else "pooled")
     assert isinstance(cfg["data"]["embedding_dim"], int) and isinstance(cfg["data"]["batch_size"], int)
     model = build(cfg)
@@ -73,7 +79,8 @@ def test_the_command_line_wins_over_a_recipe():
 
 @pytest.mark.parametrize(
     "recipe, preset",
-    [("dhen", "small"), ("dhen_large", "large"), ("hstu", "small"), ("hstu_large", "large")],
+    [("dhen", "small"), ("dhen_large", "large"), ("dhen_xl", "xl"), ("hstu", "small"), ("hstu_large", "large"),
+     ("hstu_xl", "xl")],
 )
 def test_dhen_and_hstu_recipes_are_the_config_presets(recipe, preset):
     """The yaml files spell out every field (so `model.x=...` needs no `+`); they must not drift."""
@@ -113,6 +120,23 @@ def test_large_dhen_has_the_documented_shape():
     assert model.over_arch.num_tokens == 8  # 7 pooled features + the dense token
     assert model.config.embedding_dim == 256
     assert (2048, 512) in _gemm_shapes(model)  # a layer's fused entry (cross V + linear map)
+
+
+def test_xl_recipes_have_the_documented_shape():
+    """dhen_xl: a 16384-wide stack (63 features x 256 + the dense token) at batch 8192; hstu_xl:
+    D = 1024 over histories of up to 512 items, 64k..128k expected tokens per GPU."""
+    cfg = compose("model=dhen_xl")
+    model = build(cfg)
+    assert model.over_arch.num_tokens == 64 and cfg["data"]["batch_size"] == 8192
+    shapes = _gemm_shapes(model)
+    assert (16384, 4096) in shapes and (1024, 16384) in shapes and (16384, 1024) in shapes
+    wide = sum(k * n for k, n in shapes if max(k, n) >= 4096)
+    assert wide >= 0.9 * sum(k * n for k, n in shapes)  # the step is the wide GEMMs
+    cfg = compose("model=hstu_xl")
+    model = build(cfg)
+    data = cfg["data"]
+    assert model.config.embedding_dim == 1024 and model.max_len == data["max_seq_len"] == 512
+    assert 65536 <= data["batch_size"] * (data["min_seq_len"] + data["max_seq_len"]) / 2 <= 131072
 
 
 @pytest.mark.parametrize(

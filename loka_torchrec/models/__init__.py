@@ -143,7 +143,7 @@ def build_dhen_model(options: Dict[str, Any], spec: DataSpec, device: torch.devi
     """The DHEN-style model (:mod:`loka_torchrec.models.dhen`) on pooled data.
 
     ``options`` are :class:`~loka_torchrec.models.dhen.DhenConfig` fields (plus an optional
-    ``preset``: ``small``/``large`` for the fields not given); ``embedding_dim`` defaults to, and
+    ``preset``: ``small``/``large``/``xl`` for the fields not given); ``embedding_dim`` defaults to, and
     must equal, ``data.embedding_dim``. Needs ``data.kind=pooled``.
     """
     from loka_torchrec.models.dhen import DhenConfig, build_dhen

@@ -78,8 +78,8 @@ class DhenConfig:
 
     Example::
 
-        >>> DhenConfig.small().embedding_dim, DhenConfig.large().embedding_dim
-        (32, 256)
+        >>> DhenConfig.small().embedding_dim, DhenConfig.large().embedding_dim, DhenConfig.xl().cross_rank
+        (32, 256, 1024)
         >>> DhenConfig.from_options({"preset": "small", "num_layers": 3}).num_layers
         3
     """
@@ -135,19 +135,37 @@ class DhenConfig:
         )
 
     @classmethod
+    def xl(cls) -> "DhenConfig":
+        """GPU-sized, dense GEMMs dominating the step: d = 256; with 63 pooled features plus the dense
+        token (m = 64 tokens) the stack is 16384 wide. Each layer's widest GEMMs read or write the
+        whole stack (the fused ``entry`` 16384 -> 1024 + 4096, the cross's 1024 -> 16384, the
+        attention and cross outputs 16384 -> 4096), the head is 16384 -> 4096 -> 1024, the dot MLP
+        2016 -> 1024 -> 4096. About 0.8 B dense parameters (``recipes/model/dhen_xl.yaml`` sizes
+        its memory on one GPU)."""
+        return cls(
+            embedding_dim=256,
+            num_layers=3,
+            dense_hidden=(512,),
+            dot_hidden=1024,
+            attention_heads=4,
+            cross_rank=1024,
+            head_hidden=(4096, 1024),
+        )
+
+    @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "DhenConfig":
-        """From a plain mapping: ``preset`` (``"small"``/``"large"``, default small) plus overrides."""
+        """From a plain mapping: ``preset`` (``"small"``/``"large"``/``"xl"``, default small) plus overrides."""
         values = dict(options or {})
         preset = values.pop("preset", "small")
-        if preset not in ("small", "large"):
-            raise ValueError(f"model.preset must be 'small' or 'large', got {preset!r}")
+        presets = {"small": cls.small, "large": cls.large, "xl": cls.xl}
+        if preset not in presets:
+            raise ValueError(f"model.preset must be one of {sorted(presets)}, got {preset!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"model: unknown DHEN option(s) {unknown}; expected some of {sorted(known)}")
-        base = cls.small() if preset == "small" else cls.large()
         values = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
-        return dataclasses.replace(base, **values)
+        return dataclasses.replace(presets[preset](), **values)
 
 
 def token_split(num_tokens: int, parts: int) -> Tuple[int, ...]:

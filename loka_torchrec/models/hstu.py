@@ -106,8 +106,17 @@ class HstuConfig:
         )
 
     @classmethod
+    def xl(cls) -> "HstuConfig":
+        """GPU-sized, wide and long: D = 1024, 8 heads of 128; the ``uvqk`` GEMM is 1024 -> 4096, the
+        output 1024 -> 1024, with M = the batch's history tokens (``recipes/model/hstu_xl.yaml``:
+        histories of 256..512 items, about 98k tokens per GPU)."""
+        return cls(
+            embedding_dim=1024, num_layers=4, num_heads=8, attention_dim=128, linear_dim=128, head_hidden=(2048, 512)
+        )
+
+    @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "HstuConfig":
-        """From a plain mapping: ``preset`` (``"small"``/``"large"``, default small) plus overrides.
+        """From a plain mapping: ``preset`` (``"small"``/``"large"``/``"xl"``, default small) plus overrides.
 
         Example::
 
@@ -116,15 +125,15 @@ class HstuConfig:
         """
         values = dict(options or {})
         preset = values.pop("preset", "small")
-        if preset not in ("small", "large"):
-            raise ValueError(f"model.preset must be 'small' or 'large', got {preset!r}")
+        presets = {"small": cls.small, "large": cls.large, "xl": cls.xl}
+        if preset not in presets:
+            raise ValueError(f"model.preset must be one of {sorted(presets)}, got {preset!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"model: unknown HSTU option(s) {unknown}; expected some of {sorted(known)}")
-        base = cls.small() if preset == "small" else cls.large()
         values = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
-        return dataclasses.replace(base, **values)
+        return dataclasses.replace(presets[preset](), **values)
 
 
 class JaggedLayout:
