@@ -25,15 +25,12 @@ class ApplyReport:
         mods: the model mods' own report (``None`` when no mod ran).
         dispatcher: the runtime that owns the plan; call ``dispatcher.on_step_end(step)`` after
             each training step (the Probe callback does it for you) and read ``dispatcher.plan``.
-        dense_graphs: with ``dispatch.dense_graphs``, the dense modules that replay CUDA graphs
-            (name -> :class:`~loka_torchrec.dispatch.module_graph.ModuleGraphs`), else empty.
     """
 
     converted: List[Tuple[str, int, int]]
     skipped: List[Tuple[str, str]]
     mods: Optional[object]
     dispatcher: Dispatcher
-    dense_graphs: Dict[str, object] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"LoKA converted {len(self.converted)} linear layer(s) to LokaLinear:"]
@@ -43,8 +40,6 @@ class ApplyReport:
             lines += [f"  {name}: {reason}" for name, reason in self.skipped]
         if self.mods is not None:
             lines.append(str(self.mods))
-        if self.dense_graphs:
-            lines.append(f"dense CUDA graphs (captured on the GPU in training): {', '.join(self.dense_graphs)}")
         return "\n".join(lines)
 
 
@@ -95,9 +90,4 @@ def apply(
         mods_report = apply_mods(model, mods_config)
     layers, conversion = convert_linears(model, config.dispatch)
     dispatcher = Dispatcher(layers, config.dispatch, run_dir=run_dir, process_group=process_group)
-    dense_graphs: Dict[str, object] = {}
-    if config.dispatch.dense_graphs:
-        from loka_torchrec.dispatch.module_graph import graph_dense_modules
-
-        dense_graphs = dict(graph_dense_modules(model, config.dispatch.dense_graph_modules))
-    return ApplyReport(conversion.converted, conversion.skipped, mods_report, dispatcher, dense_graphs)
+    return ApplyReport(conversion.converted, conversion.skipped, mods_report, dispatcher)

@@ -2,8 +2,8 @@
 
 The embedding tables stay eager, as in TorchRec (their lookups are FBGEMM kernels behind
 TorchRec's sharded modules and input distribution); the dense modules around them (DLRM's
-``dense_arch`` and ``over_arch``, DHEN's and HSTU's ``over_arch``) are compiled in place with
-``nn.Module.compile``, so module types, parameter objects and ``state_dict`` keys do not change,
+``dense_arch`` and ``over_arch``, DHEN's and HSTU's ``over_arch``) are compiled in place (as
+``nn.Module.compile`` does it), so module types, parameter objects and ``state_dict`` keys do not change,
 and ``DistributedModelParallel`` and TorchRec's train pipelines wrap the model as before.
 
 ``LokaLinear`` layers inside them trace into the same graph (``fullgraph=True``): their operand
@@ -25,8 +25,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -79,7 +80,7 @@ def dense_modules(model: nn.Module, prefix: str = "") -> List[str]:
 def compile_dense(
     model: nn.Module, mode: str, *, modules: Sequence[str] = (), fullgraph: bool = True, dynamic: Optional[bool] = None
 ) -> List[str]:
-    """Compile ``model``'s dense submodules in place (``nn.Module.compile``); returns their names.
+    """Compile ``model``'s dense submodules in place (as ``nn.Module.compile``); returns their names.
 
     Call it on the unsharded model after :func:`loka_torchrec.apply` and before
     ``DistributedModelParallel``.
@@ -104,9 +105,34 @@ def compile_dense(
             module = model.get_submodule(name)
         except AttributeError as exc:
             raise ValueError(f"compile_dense: modules: no submodule {name!r} in the model ({exc})") from None
-        module.compile(mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        compiled = torch.compile(module._call_impl, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        # What nn.Module.compile() installs, with TorchRec's lazy awaitables resolved first: a
+        # sharded module hands its output on as a LazyAwaitable whose wait() is a collective,
+        # which must not be traced.
+        module._compiled_call_impl = functools.partial(_call_resolved, compiled)
     logger.info("compiled (torch.compile mode=%s): %s", mode, ", ".join(names) or "nothing")
     return names
+
+
+def _call_resolved(compiled, *args, **kwargs):
+    return compiled(*_resolved(args), **kwargs)
+
+
+def _resolved(args: Tuple) -> Tuple:
+    """``args`` with TorchRec's ``LazyAwaitable``s waited for, once, as TorchRec resolves them (the
+    result is kept on the awaitable, so a later use of the same object does not wait again)."""
+    try:
+        from torchrec.distributed.types import LazyAwaitable
+    except ImportError:  # no TorchRec: nothing to wait for
+        return args
+    out = []
+    for a in args:
+        if isinstance(a, LazyAwaitable):
+            if getattr(a, "_result", None) is None:
+                a._result = a.wait()
+            a = a._result
+        out.append(a)
+    return tuple(out)
 
 
 @contextlib.contextmanager

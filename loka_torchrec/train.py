@@ -136,15 +136,6 @@ def format_summary(s: Dict[str, Any]) -> str:
                 f"layer check      kept FP8 in {kept} of {len(checks)} planned FP8 layers (fwd+bwd timed against bf16; "
                 f"events in dispatch_events.jsonl)"
             )
-        for dense in loka.get("dense_graphs") or []:
-            lines.append(
-                f"dense graphs     {dense['module']}: {dense['captures']} capture(s), {dense['replays']} replays, "
-                f"{dense['eager_calls']} eager calls"
-                + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(dense.get('eager_reasons', {}).items()))})"
-                   if dense.get("eager_reasons") else "")
-                + (f"; failed: {dense['failure']}" if dense["failure"] else "")
-                + (f"; gave up: {dense['gave_up']}" if dense.get("gave_up") else "")
-            )
         if loka.get("step_guard"):
             lines.append(f"step-time guard   {loka['step_guard']}")
         if loka.get("fallen_back"):

@@ -57,16 +57,6 @@ class DispatchConfig:
             ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
             layer check are timed as the compiled step runs them: compiled, as CUDA-graph replays
             (device time, no host launch gaps).
-        dense_graphs: on CUDA, the model's dense modules (``dense_graph_modules``) capture their
-            whole forward and backward as two CUDA graphs per recurring input shape and dispatch
-            plan, and replay them (:mod:`loka_torchrec.dispatch.module_graph`): the dense part of a
-            step then costs a few graph launches instead of hundreds of kernel launches from
-            Python. It works with every dispatch mode, ``all-bf16`` included. While it is on, GEMM
-            candidates and the layer check are timed as CUDA-graph replays (device time), since
-            the host time that eager timing adds is what the graphs remove.
-        dense_graph_modules: names of the submodules to capture (``model.get_submodule``); empty:
-            the largest submodules that hold parameters and no embedding tables
-            (:func:`~loka_torchrec.dispatch.module_graph.default_dense_modules`).
     """
 
     mode: str = "policy"
@@ -87,12 +77,9 @@ class DispatchConfig:
     step_guard_tolerance: float = 0.02
     layer_check_reps: int = 10
     compiled: bool = False
-    dense_graphs: bool = False
-    dense_graph_modules: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
-        object.__setattr__(self, "dense_graph_modules", tuple(self.dense_graph_modules))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.mode not in DISPATCH_MODES and not self.mode.startswith("all:"):
@@ -127,11 +114,9 @@ class DispatchConfig:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
-        for flag in ("compiled", "dense_graphs"):
+        for flag in ("compiled",):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"dispatch.{flag}: expected true or false, got {getattr(self, flag)!r}")
-        if not all(isinstance(n, str) and n for n in self.dense_graph_modules):
-            raise ValueError(f"dispatch.dense_graph_modules: expected submodule names, got {list(self.dense_graph_modules)!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
 

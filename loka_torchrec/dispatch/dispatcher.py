@@ -129,9 +129,9 @@ class Dispatcher(EvidenceConsumer):
 
     @property
     def times_in_graphs(self) -> bool:
-        """Candidates are timed as CUDA-graph replays (``dispatch.dense_graphs``: a captured step pays
-        device time only); the Probe reads this too."""
-        return self.config.dense_graphs or self.config.compiled
+        """Candidates are timed as CUDA-graph replays (``dispatch.compiled``: the compiled step with
+        CUDA graphs pays device time only); the Probe reads this too."""
+        return self.config.compiled
 
     @property
     def grad_format(self) -> Fp8Format:

@@ -14,8 +14,8 @@ kernels per GEMM, every layer with an FP8 GEMM is timed as a training step sees 
   weight operands are quantized in every repetition, as in training;
 * wall time with the device synchronized around each repetition (host overhead counts), the two
   variants interleaved repetition by repetition so that drift hits both; under
-  ``dispatch.dense_graphs``, where a step pays no host launch time, device time of each variant's
-  forward + backward replayed as a CUDA graph instead.
+  ``dispatch.compiled``, where the compiled step with CUDA graphs pays no host launch time, each
+  variant compiled, and the device time of its forward + backward replayed as a CUDA graph.
 
 The layer keeps its FP8 kernels only if the speedup's conservative bound (bf16's 25th percentile
 over FP8's 75th) reaches ``dispatch.min_speedup``; otherwise all three GEMMs go back to bf16, and

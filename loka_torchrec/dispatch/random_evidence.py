@@ -54,7 +54,7 @@ def measure_random_evidence(
         reps: timed repetitions per candidate.
         grad_format: FP8 format of gradients in dgrad and wgrad.
         seed: seeds the random inputs.
-        device_time: time as CUDA-graph replays (``dispatch.dense_graphs``; see
+        device_time: time as CUDA-graph replays (``dispatch.compiled``; see
             :func:`~loka_torchrec.dispatch.measure.time_ms`).
     """
     generator = torch.Generator().manual_seed(seed)

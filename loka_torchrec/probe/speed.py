@@ -5,7 +5,7 @@ both operands plus the multiplication, i.e. what a training step pays for that G
 
 * CUDA: one pair of CUDA events around every call, after warm-up calls; the operands rotate
   through enough distinct sets to exceed twice the L2 cache, so no call finds its inputs cached.
-* CUDA with ``device_time`` (``dispatch.dense_graphs``): the calls replayed in a CUDA graph,
+* CUDA with ``device_time`` (a compiled step: ``dispatch.compiled``): the calls replayed in a CUDA graph,
   so that host launch time, which a captured step does not pay, is not counted.
 * CPU: ``time.perf_counter`` around every call (few repetitions: the CPU is a test bed, not a
   target).
@@ -76,7 +76,7 @@ def time_gemm(
         grad_format: FP8 format of gradient operands.
         device_time: on CUDA, time the calls replayed in a CUDA graph (one call per operand set,
             one sample per replay): the device time a captured step pays, without the host's
-            launch gaps (``dispatch.dense_graphs``). Falls back to per-call events when the
+            launch gaps (a compiled step: ``dispatch.compiled``). Falls back to per-call events when the
             candidate cannot be captured.
 
     Raises:
