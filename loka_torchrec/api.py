@@ -76,6 +76,8 @@ def apply(
         >>> mlp(torch.randn(8, 64)).shape
         torch.Size([8, 1])
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (the model or its dense part), got {type(model).__name__}")
     if config is None:
         config = LokaConfig()
     if isinstance(config, DispatchConfig):

@@ -12,9 +12,10 @@ import contextlib
 import json
 import os
 import tempfile
-from typing import Any, Iterator, IO
+import time
+from typing import IO, Any, Iterator, List
 
-__all__ = ["atomic_file", "write_text_atomic", "write_json_atomic"]
+__all__ = ["atomic_file", "is_temporary", "remove_stale_temporaries", "write_text_atomic", "write_json_atomic"]
 
 
 @contextlib.contextmanager
@@ -53,6 +54,34 @@ def atomic_file(path: "str | os.PathLike", mode: str = "w", *, fsync: bool = Fal
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` (a file name, no folder) is one of :func:`atomic_file`'s temporaries."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def remove_stale_temporaries(root: "str | os.PathLike", *, older_than_s: float = 0.0) -> List[str]:
+    """Delete the temporaries that a killed writer left under ``root`` (a ``SIGKILL`` skips the
+    clean-up of :func:`atomic_file`); returns the paths removed.
+
+    Args:
+        root: searched recursively; a missing folder removes nothing.
+        older_than_s: only temporaries not modified for this many seconds (a live writer's file
+            changes as it grows); 0 removes every temporary, for a caller that knows no writer runs.
+    """
+    removed: List[str] = []
+    now = time.time()
+    for folder, _, files in os.walk(os.fspath(root)):
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                if is_temporary(name) and now - os.path.getmtime(path) >= older_than_s:
+                    os.unlink(path)
+                    removed.append(path)
+            except FileNotFoundError:  # another rank removed it first
+                continue
+    return removed
 
 
 def write_text_atomic(path: "str | os.PathLike", text: str, *, fsync: bool = False) -> None:

@@ -51,6 +51,13 @@ class LokaConfig:
     comms: CommsConfig = CommsConfig()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"loka.enabled: expected true or false, got {self.enabled!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "enabled" and not isinstance(value, type(f.default)):
+                hint = f"; build it with {type(f.default).__name__}(...) or use LokaConfig.from_dict" if isinstance(value, Mapping) else ""
+                raise TypeError(f"loka.{f.name}: expected a {type(f.default).__name__}, got {type(value).__name__}{hint}")
         if self.dispatch.evidence == "auto":
             resolved = "probe" if self.probe.enabled else "random"
             object.__setattr__(self, "dispatch", dataclasses.replace(self.dispatch, evidence=resolved))

@@ -428,3 +428,17 @@ def test_time_ms_returns_an_ordered_interval(reps):
     assert (interval.n, interval.method) == (reps, "iqr")
     assert 0 <= interval.low <= interval.value <= interval.high
     assert math.isfinite(interval.high)
+
+
+def test_non_finite_evidence_never_passes_a_gate():
+    """lr=1e30 made MERE 0.0000 (hi 0.0000) from inf/NaN statistics and the plan chose FP8."""
+    from loka_torchrec.dispatch.policy import decide_role
+
+    nan = float("nan")
+    zero_from_garbage = dataclasses.replace(evidence(error=(0.0, 0.0, 0.0)), note="unavailable: non-finite statistics: dense.0: the weight holds inf/NaN")
+    for bad in (zero_from_garbage, evidence(error=(nan, nan, nan)), evidence(time=(nan, nan, nan))):
+        decision = decide_role([bad], **GATES, source="test")
+        assert decision.choice == BF16 and "non-finite evidence" in decision.reason
+    # a finite candidate beside a non-finite one still wins on its own evidence
+    good = evidence(TENSORWISE)
+    assert decide_role([zero_from_garbage, good], **GATES, source="test").choice == TENSORWISE

@@ -103,3 +103,20 @@ def test_marker_of_the_prediction_layer_survives_padding():
     model = nn.Sequential(nn.Linear(28, 32), mark_prediction_layer(nn.Linear(32, 1)), nn.Linear(1, 1))
     pad_to_16(model)
     assert "1.linear" in prediction_layer_fqns(model)
+
+
+def test_a_plain_checkpoint_loads_after_no_bias_and_padding():
+    """The biases no_bias removed are unexpected keys: reported by strict=True, dropped by
+    strict=False (it used to raise a self-contradictory error with a trailing dot in the name)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(28, 30), nn.SiLU(), nn.Linear(30, 1))
+    modded = nn.Sequential(nn.Linear(28, 30), nn.SiLU(), nn.Linear(30, 1))
+    apply_mods(modded, ModsConfig(preset="custom", no_bias=True, pad_to_16=True, keep_prediction_bias=False))
+    assert modded[0].linear.bias is None
+    result = modded.load_state_dict(plain.state_dict(), strict=False)
+    assert "0.bias" in result.unexpected_keys and not result.missing_keys
+    assert torch.equal(modded.state_dict()["0.linear.weight"][:30, :28], plain[0].weight)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "0.bias"'):
+        modded.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match=r"PaddedLinear '0': checkpoint 0.weight has shape \(30, 27\)"):
+        modded.load_state_dict({"0.weight": torch.zeros(30, 27)}, strict=False)

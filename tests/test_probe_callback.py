@@ -353,3 +353,16 @@ def test_state_dict_round_trip_resumes_a_planned_probe_without_replanning(tmp_pa
     with pytest.raises(ValueError, match="layers differ"):
         other.load_state_dict(state)
     other.close()
+
+
+def test_a_model_without_convertible_layers_warns_once_and_runs_to_the_end(tmp_path, caplog):
+    """It used to die with a bare StopIteration at the end of warm-up, leaving rank0.jsonl open."""
+    model = nn.Sequential(nn.ReLU(), nn.Tanh())
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), start_step=1)
+    for step in range(1, 12):
+        model(torch.randn(8, 4)).sum()
+        cb.on_step_end(step)
+    cb.close()
+    assert "no layers to probe" in caplog.text
+    assert cb._log._file is None or cb._log._file.closed
+    assert (tmp_path / "probe" / "summary.json").is_file()

@@ -250,3 +250,16 @@ def test_error_rows_resolution_and_the_evaluation_clock():
     evaluate_layer(_snapshot(rows=300), {GemmRole.FORWARD: [BF16, SMM_RW]}, config=ProbeConfig(samples=2, speed_reps=2),
                    speed_cache=SpeedCache(reps=2), seconds=seconds)  # fmt: skip
     assert set(seconds) == {"error", "speed"} and all(v > 0 for v in seconds.values())
+
+
+@pytest.mark.parametrize("where", ["weight", "act"])
+def test_statistics_with_inf_or_nan_give_no_error_numbers(where):
+    """Non-finite statistics measure nothing: every candidate is unavailable, and says why."""
+    snap = _snapshot()
+    if where == "weight":
+        snap.weight[0, 0] = float("inf")
+    else:
+        snap.act.update(torch.full((4, snap.in_features), float("nan")))
+    errors = quantify_errors(snap, {GemmRole.FORWARD: [KernelChoice("emulated", "rowwise")]}, samples=3)
+    (err,) = errors.values()
+    assert not err.available and "non-finite statistics" in err.note and math.isinf(err.gaussian.high)

@@ -119,3 +119,58 @@ def test_two_ranks_take_the_same_verdict(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1] and results[0]["fp8"] is False
     assert "12.00 ms with FP8 vs 10.00 ms in bf16" in results[0]["reason"]
+
+
+def test_a_resumed_dispatcher_keeps_the_guard_verdict_and_rewrites_its_files(tmp_path):
+    """The guard's bf16 verdict, the plan and the valve's holds survive a checkpoint; a resumed
+    run's dispatch_plan.json is the planned one (not step 0, "not planned yet")."""
+    model, d = _planned_model(tmp_path / "a")
+    model(torch.randn(64, 32)).sum().backward()
+    for step in range(1, 5):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    for step in range(5, 14):
+        d.observe_step_time(step, 12.0)  # slower: every GEMM back to bf16
+    d.fallback("2", "injected", step=14)
+    assert d.step_guard_reason is not None
+    state = torch.load(_saved(tmp_path, d.state_dict()), weights_only=False)
+
+    resumed_model, resumed = _fresh_model(tmp_path / "b")
+    resumed.start()  # what the trainer does before resuming: writes the initial (unplanned) plan
+    assert json.loads((tmp_path / "b" / "dispatch_plan.json").read_text())["step"] == 0
+    resumed.load_state_dict(state)
+    assert resumed.step_guard_reason == d.step_guard_reason and resumed.fallen_back == {"2": "injected"}
+    assert not resumed._runs_fp8()  # the guard's verdict holds: bf16 everywhere
+    plan = json.loads((tmp_path / "b" / "dispatch_plan.json").read_text())
+    assert plan["step"] == 1 and plan["gates"] and plan == d.plan.to_dict()
+    events = [json.loads(line) for line in (tmp_path / "b" / "dispatch_events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == [e["event"] for e in d.events] and "step_guard" in [e["event"] for e in events]
+    # the guard stays decided: more slow steps give no second verdict
+    assert all(resumed.observe_step_time(step, 50.0) is None for step in range(14, 30))
+
+
+def test_a_trial_cut_by_a_checkpoint_goes_on_after_resume(tmp_path):
+    model, d = _planned_model(tmp_path / "a")
+    model(torch.randn(64, 32)).sum().backward()
+    for step in range(1, 5):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    for step in range(5, 11):  # 5 settle steps + 1 of the 4 timed ones
+        assert d.observe_step_time(step, 12.0) is None
+    _, resumed = _fresh_model(tmp_path / "b")
+    resumed.load_state_dict(d.state_dict())
+    verdicts = [resumed.observe_step_time(step, 12.0) for step in range(11, 14)]
+    assert verdicts[-1] is not None and not verdicts[-1].keep_fp8 and resumed.step_guard_reason
+
+
+def _fresh_model(run_dir):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 16))
+    cfg = DispatchConfig(mode="policy", plan_at_step=1, min_speedup=0.0, samples=3, timing_reps=1, step_guard_window=4)
+    return model, loka_torchrec.apply(model, cfg, run_dir=str(run_dir)).dispatcher
+
+
+def _saved(tmp_path, state):
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    return path

@@ -295,6 +295,39 @@ class Dispatcher(EvidenceConsumer):
         """Layers currently held in bf16 by the safety valve, with the reason."""
         return dict(self._fallen_back)
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything this dispatcher decided: the plan, the layers the safety valve holds in bf16,
+        the step-time guard's verdict and its collected times, and the events so far."""
+        return {
+            "plan": self.plan.to_dict(),
+            "fallen_back": dict(self._fallen_back),
+            "step_guard_reason": self.step_guard_reason,
+            "guard": self._guard.state_dict(),
+            "events": list(self.events),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (a resumed run; call on every rank, after :meth:`start`).
+
+        The plan, valve holds and guard verdict apply at once; ``dispatch_plan.json`` and
+        ``dispatch_events.jsonl`` are rewritten to what the checkpoint holds, so a resumed run's
+        files say what it runs. States of older checkpoints (plan and valve only) load too.
+        """
+        self.plan = DispatchPlan.from_dict(state["plan"])
+        self._fallen_back = dict(state.get("fallen_back", {}))
+        self.step_guard_reason = state.get("step_guard_reason")
+        if "guard" in state:
+            self._guard.load_state_dict(state["guard"])
+        self.events = list(state.get("events", []))
+        self._apply(self.plan)
+        self._verify_identical()
+        if self.run_dir and self._rank() == 0:
+            from loka_torchrec.atomic_files import write_text_atomic
+
+            write_text_atomic(os.path.join(self.run_dir, EVENTS_FILE), "".join(json.dumps(e) + "\n" for e in self.events))
+        self._save_plan()
+
     # ------------------------------------------------------------------ internals
     def _initial_plan(self) -> DispatchPlan:
         cfg = self.config

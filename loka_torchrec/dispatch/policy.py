@@ -2,6 +2,7 @@
 
 For each layer and role, a candidate is *admissible* when
 
+* its evidence is finite (a MERE, time or bound that is inf or NaN measured nothing), and
 * its MERE upper confidence bound is below ``max_mere`` (accuracy gate), and
 * its speedup lower bound over bf16 (baseline lower bound / candidate upper bound) is at least
   ``min_speedup`` (speed gate; 1.05 by default, so noise alone never buys FP8).
@@ -13,6 +14,7 @@ grad-weight are decided independently.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, List, Tuple
 
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
@@ -28,6 +30,11 @@ def decide_role(
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
     excluded = [e for e in fp8 if e.note.startswith("excluded")]
     fp8 = [e for e in fp8 if not e.note.startswith("excluded")]
+    nonfinite = [e for e in fp8 if not _finite(e)]
+    fp8 = [e for e in fp8 if _finite(e)]  # non-finite evidence never passes a gate
+    if nonfinite and not fp8:
+        reason = f"non-finite evidence: {nonfinite[0].candidate} MERE {nonfinite[0].error.value} (hi {nonfinite[0].error.high})"
+        return RoleDecision(BF16, reason, source, None, tuple(evidence))
     admissible = [e for e in fp8 if e.error.high < max_mere and e.speedup_low >= min_speedup]
     if admissible:
         best = max(admissible, key=lambda e: (e.speedup, -e.error.value))
@@ -47,6 +54,13 @@ def decide_role(
         best = min(fp8, key=lambda e: e.error.high)
         reason = f"none accurate enough: best {best.candidate} MERE hi {best.error.high:.4f} >= {max_mere}"
     return RoleDecision(BF16, reason, source, None, tuple(evidence))
+
+
+def _finite(e: CandidateEvidence) -> bool:
+    """Whether the evidence measured something: no NaN in its numbers, and not made from statistics
+    that held inf/NaN (an unavailable candidate's inf error and time already fail the gates)."""
+    numbers = (e.error.value, e.error.low, e.error.high, e.time_ms.value, e.time_ms.high, e.baseline_time_ms.value, e.baseline_time_ms.low)
+    return not any(math.isnan(v) for v in numbers) and "non-finite statistics" not in e.note
 
 
 def decide(

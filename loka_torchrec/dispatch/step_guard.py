@@ -92,6 +92,18 @@ class StepTimeGuard:
         """A new plan: the next FP8 steps form a new trial (the bf16 baseline is kept)."""
         self._trial, self._skipped, self._decided = [], 0, False
 
+    def state_dict(self) -> dict:
+        """The baseline and trial collected so far (a checkpoint carries it: a resumed trial goes on)."""
+        return {"baseline": list(self._baseline), "trial": list(self._trial), "skipped": self._skipped, "decided": self._decided}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self._baseline.clear()
+        self._baseline.extend(float(v) for v in state.get("baseline", []))
+        self._trial = [float(v) for v in state.get("trial", [])]
+        self._skipped = int(state.get("skipped", 0))
+        self._decided = bool(state.get("decided", False))
+
     def observe(self, step: int, step_ms: float, *, fp8_active: bool) -> Optional[GuardVerdict]:
         """Record one step; returns the verdict at the step that completes a trial, else ``None``.
 

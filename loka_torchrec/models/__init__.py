@@ -78,12 +78,28 @@ def _check_over_arch(options: Dict[str, Any]) -> List[int]:
     return over
 
 
+_DLRM_OPTIONS = ("dense_arch_layer_sizes", "over_arch_layer_sizes")
+
+
+def _check_options(options: Dict[str, Any], spec: DataSpec, model: str, known) -> None:
+    """Unknown ``model.*`` options, or an ``embedding_dim`` other than the tables', are one error
+    naming the field (as the DHEN and HSTU configs do), never silently ignored."""
+    options = dict(options)
+    if "embedding_dim" in options:
+        _model_embedding_dim(options, spec.pooled_tables, model, "pooled")
+        options.pop("embedding_dim")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"model: unknown option(s) {unknown} for the {model} model; expected some of {sorted(known)}")
+
+
 @register_model("dlrm")
 def build_dlrm(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
     """TorchRec's ``DLRM``: ``dense_arch_layer_sizes`` (last = embedding dim), ``over_arch_layer_sizes``."""
     from torchrec.models.dlrm import DLRM
 
     ebc = _pooled_ebc(spec)
+    _check_options(options, spec, "dlrm", _DLRM_OPTIONS)
     dense = list(options.get("dense_arch_layer_sizes", []))
     dim = spec.pooled_tables[0].embedding_dim
     if not dense or dense[-1] != dim:
@@ -97,6 +113,7 @@ def build_dcn(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> 
     from torchrec.models.dlrm import DLRM_DCN
 
     ebc = _pooled_ebc(spec)
+    _check_options(options, spec, "dcn", _DLRM_OPTIONS + ("dcn_num_layers", "dcn_low_rank_dim"))
     dense = list(options.get("dense_arch_layer_sizes", []))
     dim = spec.pooled_tables[0].embedding_dim
     if not dense or dense[-1] != dim:

@@ -128,17 +128,23 @@ class PaddedLinear(nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         # An unpadded nn.Linear's checkpoint ("weight", "bias" at this prefix): pad it on load.
+        name = prefix[:-1] if prefix.endswith(".") else prefix
         for param in ("weight", "bias"):
             key = prefix + param
             if key not in state_dict:
                 continue
-            value = state_dict.pop(key)
             target = getattr(self.linear, param)
+            if target is None:
+                # A bias in the checkpoint, none here (no_bias removed it): an unexpected key, which
+                # load_state_dict reports under strict=True and returns under strict=False.
+                state_dict.pop(key)
+                unexpected_keys.append(key)
+                continue
+            value = state_dict.pop(key)
             expected = (self.out_features, self.in_features) if param == "weight" else (self.out_features,)
-            if target is None or tuple(value.shape) != expected:
+            if tuple(value.shape) != expected:
                 raise ValueError(
-                    f"PaddedLinear {prefix!r}: checkpoint {key} has shape {tuple(value.shape)}, expected {expected}"
-                    + (" (this layer has no bias)" if target is None else "")
+                    f"PaddedLinear {name!r}: checkpoint {key} has shape {tuple(value.shape)}, expected {expected}"
                 )
             padded = torch.zeros(target.shape, dtype=value.dtype, device=value.device)
             padded[tuple(slice(0, n) for n in expected)] = value

@@ -470,6 +470,8 @@ class ProbeCallback:
 
     def _evaluate(self, names: Sequence[str], stats: Dict[str, Tuple[TensorStatistics, TensorStatistics]]) -> Dict[str, Tuple[List[CandidateEvidence], List[Dict[str, Any]]]]:
         """Evidence for ``names``: each rank measures every ``world_size``-th layer, then all gather."""
+        if not self._layers:  # nothing to measure (the same on every rank: no collective to skip)
+            return {}
         t0 = time.perf_counter()
         if self._speed_cache is None:
             device = next(iter(self._layers.values())).module.weight.device

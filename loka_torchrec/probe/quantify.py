@@ -259,6 +259,19 @@ def _nonnegative(iv: Interval) -> Interval:
     return dataclasses.replace(iv, low=max(iv.low, 0.0)) if iv.low < 0 else iv
 
 
+def nonfinite_statistics(snap: LayerSnapshot) -> Optional[str]:
+    """What in ``snap`` is not finite (the weight, or the input/gradient statistics), else ``None``."""
+    if not bool(torch.isfinite(snap.weight).all()):
+        return f"{snap.name}: the weight holds inf/NaN"
+    for what, stats in (("input", snap.act), ("output-gradient", snap.grad)):
+        if stats is None or stats.is_empty:
+            continue
+        values = [getattr(stats, name, None) for name in ("mean", "m2_diag", "amax", "sum_sq")]
+        if any(v is not None and not bool(torch.isfinite(v).all()) for v in values) or float(getattr(stats, "nonfinite", 0) or 0) > 0:
+            return f"{snap.name}: the {what} statistics saw inf/NaN"
+    return None
+
+
 def quantify_errors(
     snap: LayerSnapshot,
     candidates: Dict[GemmRole, Sequence[KernelChoice]],
@@ -288,6 +301,13 @@ def quantify_errors(
         raise ValueError(f"samples: expected at least 2 draws, got {samples}")
     if snap.act.is_empty:
         raise ValueError(f"{snap.name}: no input rows were seen; cannot quantify errors")
+    problem = nonfinite_statistics(snap)
+    if problem is not None:  # statistics with inf/NaN measure nothing: every candidate unavailable, named
+        return {
+            (GemmRole(role), c): CandidateError.unavailable(f"non-finite statistics: {problem}")
+            for role, choices in candidates.items()
+            for c in dict.fromkeys(choices)
+        }
     device = snap.weight.device
     dtype = dtype or snap.weight.dtype
     rows = draw_rows(snap.rows, max_rows)

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -22,8 +23,9 @@ from loka_torchrec.baselines import BaselineConfig
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
-from loka_torchrec.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from loka_torchrec.training.checkpoint import resume_checkpoint, save_checkpoint
 from loka_torchrec.training.distributed import DistContext
+from loka_torchrec.training.nonfinite import NonFiniteSteps
 from loka_torchrec.training.profiling import StepProfiler, profile_summary
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_vs_loka", "step_time_stats"]
@@ -128,6 +130,11 @@ class TrainConfig:
             same numbers and an NE difference between two configurations is theirs, not the
             GPU's atomics. Kernels without a deterministic version (some of FBGEMM's) warn once and
             run as usual. Slower; for comparisons, not for production.
+        max_nonfinite_steps: a step whose loss is inf or NaN (on any rank) is skipped, neither its
+            backward nor its optimizer step runs, and counted (``nonfinite_steps`` in the summary);
+            this many consecutive ones stop the run with
+            :class:`~loka_torchrec.training.nonfinite.NonFiniteLossError` (a non-zero exit naming
+            the step, the safety valve's first layer and the last good checkpoint).
     """
 
     steps: int = 200
@@ -148,6 +155,7 @@ class TrainConfig:
     deterministic: bool = False
     data_workers: Optional[int] = None
     step_sync: bool = False
+    max_nonfinite_steps: int = 10
     compile: str = "auto"
 
     def __post_init__(self) -> None:
@@ -155,7 +163,22 @@ class TrainConfig:
 
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"train.compile: expected one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        for name in ("deterministic", "step_sync"):
+        # Types first, so that a wrong type is named as itself and not as a failed comparison.
+        for name in ("steps", "log_every", "eval_every", "checkpoint_every", "timing_start", "profile_start",
+                     "profile_steps", "max_nonfinite_steps"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ValueError(f"train.{name}: expected an int, got {value!r}")
+        for name in ("lr", "embedding_lr"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"train.{name}: expected a finite number > 0, got {value!r}")
+        if self.resume is not None and not isinstance(self.resume, str):
+            raise ValueError(f"train.resume: expected null or a path, got {self.resume!r}")
+        for name in ("steps", "log_every", "max_nonfinite_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.data_workers is not None and (type(self.data_workers) is not int or self.data_workers < 0):
@@ -173,14 +196,9 @@ class TrainConfig:
             raise ValueError(
                 f"train.timing_start: must be >= 0 and < train.steps={self.steps}, got {self.timing_start}"
             )
-        for name in ("steps", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0 or self.embedding_lr <= 0:
-            raise ValueError(f"train.lr / train.embedding_lr: must be > 0, got {self.lr} / {self.embedding_lr}")
         if self.resume is not None and not os.path.exists(self.resume):
             raise ValueError(f"train.resume: {self.resume!r} does not exist")
         if self.profile_start < 0:
@@ -353,6 +371,8 @@ class Trainer:
         self.eval_metrics = BinaryClassificationMetrics(ctx.device)
         self.start_step = 0
         self.history: list = []
+        self.nonfinite = NonFiniteSteps(train_config.max_nonfinite_steps)  # skipped steps (resumed too)
+        self.last_checkpoint: Optional[str] = None
         if train_config.resume:
             self._resume(train_config.resume)
 
@@ -416,6 +436,7 @@ class Trainer:
         if cuda:
             torch.cuda.synchronize(self.ctx.device)
         profiler = self._step_profiler()
+        self.nonfinite.install(self.pipeline)
         wall0 = time.perf_counter()
         last_end = wall0  # without train.step_sync a step's time runs from the previous step's end
         while step < cfg.steps:
@@ -428,7 +449,8 @@ class Trainer:
             except StopIteration:
                 break
             step += 1
-            self.train_metrics.update(logits, labels)
+            if not self._skipped_nonfinite(step):
+                self.train_metrics.update(logits, labels)
             if self.loka is not None:
                 self.loka.dispatcher.on_step_end(step)
             if self.probe is not None:
@@ -457,8 +479,8 @@ class Trainer:
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
                 last_end = self._restart_step_clock()
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                self.save(step)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not self.nonfinite.consecutive:
+                self.save(step)  # never in a streak of non-finite steps: a checkpoint is a good state
                 last_end = self._restart_step_clock()
             if bar is not None:
                 bar.update(1)
@@ -499,6 +521,7 @@ class Trainer:
             "compile": self._compile_summary(),
             "step_sync": cfg.step_sync,
             "data_workers": self._data_workers,
+            "nonfinite_steps": list(self.nonfinite.skipped),
             "train_ne": last_train.get("train/ne"),
             "train_auc": last_train.get("train/auc"),
             "eval_ne": final_eval.get("ne"),
@@ -514,6 +537,23 @@ class Trainer:
         if self.ctx.is_main:
             write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary, default=str)
         return summary
+
+    def _skipped_nonfinite(self, step: int) -> bool:
+        """Whether ``step`` was skipped for a non-finite loss (:mod:`~loka_torchrec.training.nonfinite`);
+        raises :class:`~loka_torchrec.training.nonfinite.NonFiniteLossError` once too many were in a row."""
+        if not self.nonfinite.after_step(step):
+            return False
+        logger.warning("step %d: the loss is not finite; the step is skipped (%d in a row, stop at %d)",
+                       step, self.nonfinite.consecutive, self.nonfinite.limit)  # fmt: skip
+        if self.nonfinite.exhausted:
+            valve = None
+            if self.loka is not None:
+                first = next((e for e in self.loka.dispatcher.events if e.get("event") == "fallback"), None)
+                valve = None if first is None else f"{first['layer']} at step {first['step']} ({first['reason']})"
+            if self.probe is not None:
+                self.probe.close()  # its logs end readable
+            raise self.nonfinite.error(step, first_valve=valve, last_checkpoint=self.last_checkpoint)
+        return True
 
     def _train_batches(self):
         """This rank's train batches from the resumed step on, made by ``train.data_workers``
@@ -587,39 +627,53 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state(self, step: int) -> Dict[str, Any]:
+        """This rank's checkpoint: model, optimizers, history and every decision of the run so far
+        (dispatch plan, step-time guard, safety valve, the Probe's state, the comms precisions)."""
         state = {
             "step": step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "history": self.history,
+            "nonfinite": self.nonfinite.state_dict(),
         }
         if self.loka is not None:
-            state["loka"] = {"plan": self.loka.dispatcher.plan.to_dict(), "fallen_back": self.loka.dispatcher.fallen_back}
+            state["loka"] = {
+                **self.loka.dispatcher.state_dict(),
+                "comms": dataclasses.asdict(self.loka_cfg.comms) if getattr(self.loka_cfg, "comms", None) is not None else None,
+            }
         if self.probe is not None:
             state["probe"] = self.probe.state_dict()
         return state
 
     def save(self, step: int) -> str:
         folder = save_checkpoint(self.run_dir, step, self.state(step), rank=self.ctx.rank, world_size=self.ctx.world_size)
+        self.last_checkpoint = folder
         if self.ctx.is_main:
             logger.info("checkpoint written: %s", folder)
         return folder
 
     def _resume(self, path: str) -> None:
-        folder = find_checkpoint(path)
-        state = load_checkpoint(folder, rank=self.ctx.rank, world_size=self.ctx.world_size, map_location=str(self.ctx.device))
+        """Load the newest checkpoint every rank reads intact (all ranks agree first; a damaged or
+        incomplete newer one is a warning naming it) and restore every decision it holds."""
+        folder, state, skipped = resume_checkpoint(
+            path, rank=self.ctx.rank, world_size=self.ctx.world_size, map_location=str(self.ctx.device)
+        )
+        if self.ctx.is_main:
+            for line in skipped:
+                logger.warning("train.resume: %s; falling back to an older checkpoint", line)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = int(state["step"])
+        self.last_checkpoint = folder
         self.history = list(state.get("history", []))
+        if "nonfinite" in state:
+            self.nonfinite.load_state_dict(state["nonfinite"])
         if self.loka is not None and "loka" in state:
-            from loka_torchrec.dispatch.plan import DispatchPlan
-
-            dispatcher = self.loka.dispatcher
-            dispatcher.plan = DispatchPlan.from_dict(state["loka"]["plan"])
-            for layer, reason in state["loka"].get("fallen_back", {}).items():
-                dispatcher.fallback(layer, f"(resumed) {reason}", step=self.start_step)
-            dispatcher._apply(dispatcher.plan)
+            saved = state["loka"]
+            comms = getattr(self.loka_cfg, "comms", None)
+            if saved.get("comms") is not None and comms is not None and saved["comms"] != dataclasses.asdict(comms) and self.ctx.is_main:
+                logger.warning("train.resume: the checkpoint ran loka.comms=%s; this run has %s", saved["comms"], dataclasses.asdict(comms))
+            self.loka.dispatcher.load_state_dict(saved)  # plan, valve, guard; rewrites dispatch_plan.json
         if self.probe is not None:
             if "probe" in state:
                 self.probe.load_state_dict(state["probe"])  # a planned run is not re-planned from scratch

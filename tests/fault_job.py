@@ -1,0 +1,134 @@
+"""The training entry point with one injected fault, for the fault matrix (tests/test_faults.py).
+
+``LOKA_FAULT=<kind>:<batch>[:<rank>]`` (rank: every rank when left out) picks the fault; the
+rest of the command line is the job's Hydra overrides, as for ``python -m loka_torchrec.train``.
+``<batch>`` counts train batches from 0 as the data hands them out (the pipeline fetches two
+ahead of the step that trains them), so faults land at a fixed, repeatable point of the run.
+
+Kinds:
+    kill        SIGKILL this process when batch ``<batch>`` is fetched;
+    kill_save   SIGKILL in the middle of writing checkpoint number ``<batch>`` (1 = the first);
+    batch_inf   one ``inf`` in the dense features of batch ``<batch>``;
+    batch_nan   every dense feature of batch ``<batch>`` NaN;
+    weight_nan  one element of the first dense layer's weight set to NaN when batch ``<batch>`` is fetched;
+    grad_nan    the first dense layer's weight gradient NaN once, from batch ``<batch>`` on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+
+import torch
+
+FAULT = os.environ.get("LOKA_FAULT", "")
+
+
+def _parse():
+    parts = FAULT.split(":")
+    kind, at = parts[0], int(parts[1])
+    ranks = None if len(parts) < 3 else {int(parts[2])}
+    return kind, at, ranks
+
+
+def _mine(ranks) -> bool:
+    return ranks is None or int(os.environ.get("RANK", "0")) in ranks
+
+
+def _first_linear(model: torch.nn.Module) -> torch.nn.Module:
+    """The first dense layer (``nn.Linear`` or ``LokaLinear``) of the sharded model."""
+    return next(m for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "LokaLinear")
+
+
+def install() -> None:
+    if not FAULT:
+        return
+    kind, at, ranks = _parse()
+    if not _mine(ranks):
+        return
+    from loka_torchrec.training import checkpoint, data as data_module, trainer as trainer_module
+    from loka_torchrec import train as train_module
+
+    holder = {}
+    original_init = trainer_module.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        holder["trainer"] = self
+        original_init(self, *args, **kwargs)
+
+    trainer_module.Trainer.__init__ = init
+
+    if kind == "kill_save":
+        original_write = checkpoint._HashingWriter.write
+        saves = {"n": 0}
+        original_save = checkpoint.save_checkpoint
+
+        def save(*args, **kwargs):
+            saves["n"] += 1
+            return original_save(*args, **kwargs)
+
+        def write(self, data):
+            if saves["n"] == at and self.bytes > 4096:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_write(self, data)
+
+        checkpoint._HashingWriter.write = write
+        checkpoint.save_checkpoint = save
+        trainer_module.save_checkpoint = save
+        return
+
+    original_make_data = data_module.make_data
+
+    def make_data(*args, **kwargs):
+        rank_data = original_make_data(*args, **kwargs)
+        train = rank_data.train
+
+        def faulty(start_batch):
+            for index, batch in enumerate(train(start_batch), start=start_batch):
+                if index == at:
+                    batch = _inject(kind, batch, holder.get("trainer"))
+                yield batch
+
+        return dataclasses.replace(rank_data, train=faulty, train_split=None)
+
+    data_module.make_data = make_data
+    train_module.__dict__.setdefault("_fault_installed", True)
+
+
+def _inject(kind, batch, trainer):
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind in ("batch_inf", "batch_nan"):
+        dense = batch.dense_features.clone()
+        if kind == "batch_inf":
+            dense[0, 0] = float("inf")
+        else:
+            dense.fill_(float("nan"))
+        return dataclasses.replace(batch, dense_features=dense)
+    layer = _first_linear(trainer.model)  # DMP may have copied the unsharded module's parameters
+    if kind == "weight_nan":
+        with torch.no_grad():
+            layer.weight.view(-1)[0] = float("nan")
+    elif kind == "grad_nan":
+        fired = {"done": False}
+
+        def hook(grad):
+            if fired["done"]:
+                return grad
+            fired["done"] = True
+            return torch.full_like(grad, float("nan"))
+
+        layer.weight.register_hook(hook)
+    else:
+        raise ValueError(f"LOKA_FAULT: unknown kind {kind!r}")
+    return batch
+
+
+if __name__ == "__main__":
+    install()
+    from loka_torchrec.train import main
+
+    sys.argv[0] = "loka_torchrec.train"
+    main()

@@ -1,0 +1,55 @@
+"""Bad input and API edges: one error naming the field and what was expected, never a crash elsewhere."""
+
+import pytest
+import torch
+
+import loka_torchrec
+from loka_torchrec.config import LokaConfig
+from loka_torchrec.models import build_model
+from loka_torchrec.training.trainer import TrainConfig
+
+
+def test_apply_refuses_what_is_not_a_module():
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module .* got function"):
+        loka_torchrec.apply(lambda x: x)
+
+
+def test_loka_config_refuses_a_plain_dict_for_a_section():
+    with pytest.raises(TypeError, match=r"loka.dispatch: expected a DispatchConfig, got dict.*LokaConfig.from_dict"):
+        LokaConfig(dispatch={"mode": "policy"})
+    assert LokaConfig.from_dict({"dispatch": {"mode": "policy"}}).dispatch.mode == "policy"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(steps=-5), r"train.steps: must be >= 1, got -5"),
+        (dict(steps="abc"), r"train.steps: expected an int, got 'abc'"),
+        (dict(steps=2.5), r"train.steps: expected an int, got 2.5"),
+        (dict(lr="fast"), r"train.lr: expected a finite number > 0, got 'fast'"),
+        (dict(lr=float("inf")), r"train.lr: expected a finite number > 0"),
+        (dict(max_nonfinite_steps=0), r"train.max_nonfinite_steps: must be >= 1, got 0"),
+        (dict(progress_bar="no"), r"train.progress_bar: expected true or false"),
+        (dict(steps=10, timing_start=10), r"train.timing_start"),
+    ],
+)
+def test_train_config_errors_name_the_field_the_user_typed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+def _spec():
+    from loka_torchrec.training.synthetic import SyntheticConfig, make_data_spec
+
+    return make_data_spec(SyntheticConfig(num_tables=2, num_embeddings=100, embedding_dim=16))
+
+
+@pytest.mark.parametrize("model", ["dlrm", "dcn"])
+def test_dlrm_and_dcn_refuse_unknown_options_and_a_mismatched_embedding_dim(model):
+    options = {"dense_arch_layer_sizes": [32, 16], "over_arch_layer_sizes": [32, 1]}
+    build_model(model, dict(options), _spec(), torch.device("cpu"))  # fine
+    build_model(model, {**options, "embedding_dim": 16}, _spec(), torch.device("cpu"))  # agrees: fine
+    with pytest.raises(ValueError, match=r"model: unknown option\(s\) \['foo'\] for the %s model" % model):
+        build_model(model, {**options, "foo": 1}, _spec(), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"model.embedding_dim: 32 disagrees with data.embedding_dim \(16\)"):
+        build_model(model, {**options, "embedding_dim": 32}, _spec(), torch.device("cpu"))
