@@ -55,8 +55,8 @@ class DispatchConfig:
         compiled: the layers run under ``torch.compile`` (the training job sets it from
             ``train.compile``). Candidates whose kernels do not trace (a backend's
             ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
-            layer check are timed as the compiled step runs them: compiled, as CUDA-graph replays
-            (device time, no host launch gaps).
+            layer check are timed as the compiled step with CUDA graphs runs them: as CUDA-graph
+            replays (device time, no host launch gaps), with one-pass fused quantization.
     """
 
     mode: str = "policy"

@@ -195,7 +195,7 @@ class Dispatcher(EvidenceConsumer):
         before = plan.fp8_gemm_count()
         plan, records = check_plan_layers(
             plan, self._layers, min_speedup=self.config.min_speedup, reps=self.config.layer_check_reps,
-            grad_format=self._grad_format, device_time=self.times_in_graphs, compiled=self.config.compiled,
+            grad_format=self._grad_format, device_time=self.times_in_graphs,
         )
         for record in records:
             self._record({"event": "layer_check", "step": step, **record})

@@ -14,8 +14,8 @@ kernels per GEMM, every layer with an FP8 GEMM is timed as a training step sees 
   weight operands are quantized in every repetition, as in training;
 * wall time with the device synchronized around each repetition (host overhead counts), the two
   variants interleaved repetition by repetition so that drift hits both; under
-  ``dispatch.compiled``, where the compiled step with CUDA graphs pays no host launch time, each
-  variant compiled, and the device time of its forward + backward replayed as a CUDA graph.
+  ``dispatch.compiled``, where the compiled step with CUDA graphs pays no host launch time, the
+  device time of each variant's forward + backward replayed as a CUDA graph.
 
 The layer keeps its FP8 kernels only if the speedup's conservative bound (bf16's 25th percentile
 over FP8's 75th) reaches ``dispatch.min_speedup``; otherwise all three GEMMs go back to bf16, and
@@ -85,7 +85,6 @@ def time_layer_step(
     warmup: int = 3,
     seed: int = 0,
     device_time: bool = False,
-    compiled: bool = False,
 ) -> LayerTiming:
     """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer, FP8 vs bf16.
 
@@ -98,10 +97,10 @@ def time_layer_step(
         reps: timed repetitions per variant (interleaved); ``warmup`` untimed ones first.
         device_time: on CUDA, time both variants' forward + backward captured in CUDA graphs
             (device time, no host launch time), as a compiled step with CUDA graphs pays them;
-            falls back to wall time if a variant cannot be captured.
-        compiled: both variants run under ``torch.compile`` (``fullgraph=True``), as the layers do
-            in a job with ``train.compile``: quantization is Inductor's fused kernel, not the
-            eager one.
+            falls back to wall time if a variant cannot be captured. The FP8 variant's operands
+            are quantized by the fused one-pass kernel, as Inductor fuses them in a compiled step
+            (there even into the producing op, so the check errs on bf16's side); compiling each
+            checked layer instead would cost seconds per shape in the planning step.
 
     Returns:
         Median and inter-quartile range of both variants' wall time per repetition, in ms.
@@ -119,16 +118,8 @@ def time_layer_step(
             )
             for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
         }
-    if compiled:
-        variants = {name: torch.compile(layer, fullgraph=True, dynamic=False) for name, layer in variants.items()}
-        # Every checked layer is another instance, hence another compiled entry, of LokaLinear's
-        # forward: raise Dynamo's per-code limit for this call instead of failing on the 9th layer.
-        limits = torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096)
-    else:
-        limits = contextlib.nullcontext()
-    with limits:
-        return _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype,
-                              reps=reps, warmup=warmup, gen=gen, device_time=device_time)  # fmt: skip
+    return _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype,
+                          reps=reps, warmup=warmup, gen=gen, device_time=device_time)  # fmt: skip
 
 
 def _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype, *, reps, warmup,
@@ -235,7 +226,6 @@ def check_plan_layers(
     reps: int,
     grad_format: Fp8Format,
     device_time: bool = False,
-    compiled: bool = False,
 ) -> Tuple[DispatchPlan, List[dict]]:
     """``plan`` with every FP8 layer that is not faster as a whole sent back to bf16.
 
@@ -246,7 +236,6 @@ def check_plan_layers(
         min_speedup: the gate on the layer's conservative speedup.
         reps: timed repetitions per variant.
         device_time: time CUDA-graph replays (see :func:`time_layer_step`).
-        compiled: time both variants compiled (``dispatch.compiled``; see :func:`time_layer_step`).
 
     A layer whose FP8 variant cannot run at its shape (an error from a backend or the compiler)
     goes back to bf16 with the error as the reason; planning goes on.
@@ -273,7 +262,7 @@ def check_plan_layers(
                     module.in_features, module.out_features, rows, layer_plan.kernels,
                     bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
                     input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
-                    grad_format=grad_format, reps=reps, device_time=device_time, compiled=compiled,
+                    grad_format=grad_format, reps=reps, device_time=device_time,
                 )
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is excluded, not fatal
                 cache[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU benchmarks and GPU tests, for a device machine with the packages of ../shared/device/ installed:
+#     export PYTHONPATH=/tmp/site && bash scripts/device_benchmarks.sh STAGE [ARGS]
+#
+# Stages:
+#   gpu_tests [TEST_FILE...]          the tests marked gpu (default: all); output in $OUT/gpu-tests.txt
+#   e2e NAME RECIPES SEEDS RUNS       benchmarks/e2e_compare.py on RECIPES (comma-separated) x SEEDS x
+#                                     RUNS, steady-state steps profiled; tables and plots in $OUT,
+#                                     the runs' own files (plans, summaries, logs) in one tarball
+#
+# Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100),
+# STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
+set -u -o pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/device-out}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # one job per GPU must not take every host core
+stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS}
+DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))
+left() { echo $(( DEADLINE - $(date +%s) )); }
+WORK=$(mktemp -d /tmp/loka-bench.XXXXXX)
+STEPS=${E2E_STEPS:-300}
+WARMUP=${E2E_PROBE_WARMUP:-100}
+
+# The project on the path as it is installed (kernels/ and recipes/ become subpackages).
+source "$ROOT/scripts/installed_layout.sh" && use_installed_layout "$ROOT" "$WORK/site"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv
+
+case $stage in
+  gpu_tests)
+    shift
+    timeout $(( $(left) - 10 )) python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= "${@:-tests}" \
+      > "$WORK/pytest-gpu.log" 2>&1
+    echo "=== gpu tests: rc=$?"
+    tail -c 60000 "$WORK/pytest-gpu.log" > "$OUT/gpu-tests.txt"
+    tail -n 20 "$WORK/pytest-gpu.log"
+    ;;
+  e2e)
+    name=${2:?e2e NAME RECIPES SEEDS RUNS}; recipes=${3:?}; seeds=${4:?}; runs=${5:?}
+    mkdir -p "$WORK/results"
+    python3 -P benchmarks/e2e_compare.py --out "$WORK/results" --runs-dir "$WORK/runs" --name "$name" \
+      --recipes "$recipes" --seeds "$seeds" --runs "$runs" --steps "$STEPS" --probe-warmup "$WARMUP" \
+      --profile-start $(( STEPS - 12 )) --profile-steps 5 --run-timeout 300 --max-seconds $(( $(left) - 25 )) \
+      > "$WORK/$name.log" 2>&1
+    echo "=== e2e $name: rc=$?"
+    tail -n 30 "$WORK/$name.log"
+    cp "$WORK/results"/*.md "$WORK/results"/*.json "$WORK/results"/*.png "$OUT"/ 2>/dev/null
+    tar -czf "$OUT/$name-runs.tar.gz" -C "$WORK" --exclude='site' runs "$name.log" 2>/dev/null
+    ;;
+  *)
+    echo "device_benchmarks.sh: unknown stage $stage (gpu_tests | e2e)" >&2
+    exit 2
+    ;;
+esac
+ls -la "$OUT"
