@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Iterator, List, Optional, Sequence, Tuple
+import types
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -105,17 +106,31 @@ def compile_dense(
             module = model.get_submodule(name)
         except AttributeError as exc:
             raise ValueError(f"compile_dense: modules: no submodule {name!r} in the model ({exc})") from None
-        compiled = torch.compile(module._call_impl, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
-        # What nn.Module.compile() installs, with TorchRec's lazy awaitables resolved first: a
-        # sharded module hands its output on as a LazyAwaitable whose wait() is a collective,
-        # which must not be traced.
-        module._compiled_call_impl = functools.partial(_call_resolved, compiled)
+        compiled = torch.compile(_module_caller(), mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        # The slot nn.Module.compile() fills: calls of the module go through it, with TorchRec's lazy
+        # awaitables resolved first (a sharded module hands its output on as a LazyAwaitable whose
+        # wait() is a collective, which must not be traced).
+        module._compiled_call_impl = functools.partial(_call_resolved, compiled, module)
     logger.info("compiled (torch.compile mode=%s): %s", mode, ", ".join(names) or "nothing")
     return names
 
 
-def _call_resolved(compiled, *args, **kwargs):
-    return compiled(*_resolved(args), **kwargs)
+def _call_module(module: nn.Module, *args, **kwargs):
+    return module._call_impl(*args, **kwargs)
+
+
+def _module_caller() -> Callable:
+    """A function of its own (a fresh code object) that calls a module's forward with its hooks.
+
+    Dynamo keeps compiled graphs, and counts recompiles against its limit, per code object: with one
+    code object per compiled module, ten modules do not share one limit. Tracing starts in this
+    file, so Dynamo also traces modules of ``torch.nn`` itself (which it skips as a first frame).
+    """
+    return types.FunctionType(_call_module.__code__.replace(), _call_module.__globals__, "call_module")
+
+
+def _call_resolved(compiled, module: nn.Module, *args, **kwargs):
+    return compiled(module, *_resolved(args), **kwargs)
 
 
 def _resolved(args: Tuple) -> Tuple:

@@ -1,0 +1,194 @@
+"""LoKA under ``torch.compile`` (CPU inductor): whole graphs, no recompiles, plans that survive any shape."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import loka_torchrec
+from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
+from loka_torchrec.dispatch import DispatchConfig
+from loka_torchrec.dispatch.backends import GemmBackend, get_backend, register_backend
+from loka_torchrec.dispatch.backends.base import BackendUnavailableError
+from loka_torchrec.dispatch.backends.operand_quantize import quantize_operand
+from loka_torchrec.dispatch.dispatcher import resolve_candidates
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.evidence import GemmRole, KernelChoice
+from loka_torchrec.fp8 import Fp8Tensor
+
+ROWWISE = KernelChoice("scaled_mm", "rowwise")
+
+
+@register_backend
+class _PickyBackend(GemmBackend):
+    """A CPU stand-in for a CUDA FP8 GEMM: needs dims that are multiples of 16 (as ``torch._scaled_mm``
+    on CUDA), fails outright at one shape (as FBGEMM's "cutlass cannot implement"), and does not trace."""
+
+    name = "test_picky"
+    recipes = ("rowwise",)
+    devices = ("cpu",)
+    in_auto = False
+    refuse_n = 48  # every GEMM with N == 48 fails
+
+    def alignment(self, device) -> int:
+        return 16
+
+    def quantize(self, t, spec, *, name="operand"):
+        return quantize_operand(t, spec, name=name)
+
+    def mm(self, a: Fp8Tensor, b: Fp8Tensor, recipe, out_dtype):
+        (m, k), n = a.data.shape, b.data.shape[0]
+        if k % 16 or n % 16:
+            raise RuntimeError(f"Expected trailing dimension of mat1 to be divisible by 16 (got K={k}, N={n})")
+        if n == self.refuse_n:
+            raise RuntimeError("cutlass cannot implement")
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def _mlp(widths=(40, 28, 13, 8)):
+    layers = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _step(model, batch, seed):
+    x = torch.randn(batch, 40, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    y = model(x)
+    y.square().mean().backward()
+    return x, y
+
+
+def test_converted_model_compiles_whole_and_matches_eager():
+    torch.manual_seed(0)
+    model = _mlp()
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:rowwise"))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)  # a graph break raises here
+    x, y = _step(compiled, 24, seed=1)
+    x_ref, y_ref = _step(reference, 24, seed=1)
+    assert counters["graph_break"] == {}
+    # Same scales and codes by construction (the same torch ops, fused by Inductor): equal up to
+    # float32 rounding of the fused kernels, far inside FP8's own error.
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    # And both are FP8 results: close to float64, not equal to it.
+    exact = nn.Sequential(*copy.deepcopy(list(model))).double()
+    for layer in exact:
+        if isinstance(layer, loka_torchrec.LokaLinear):
+            layer.set_kernels(LayerKernels())
+    err = (y.double() - exact(x.detach().double())).norm() / exact(x.detach().double()).norm()
+    assert 1e-4 < err < 0.1
+
+
+def test_padding_and_varying_batches_compile_once(monkeypatch):
+    """With a 16-alignment (as on CUDA) every dim is padded symbolically: batches of any size after
+    the first reuse one dynamic graph, and the results stay exact up to FP8."""
+    monkeypatch.setattr(type(get_backend("scaled_mm")), "alignment", lambda self, device: 16)
+    model = _mlp()
+    layers = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:rowwise")).dispatcher.managed_layers()
+    assert all(layer.plan.fwd.align == 16 for layer in layers.values())
+    compiled = torch.compile(model, fullgraph=True)
+    for batch in (24, 13, 21, 34, 55, 89, 7):
+        _, y = _step(compiled, batch, seed=batch)
+        assert y.shape == (batch, 8) and torch.isfinite(y).all()
+    # The first batch compiles static shapes, the second marks the batch dim dynamic: then nothing.
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["graph_break"] == {}
+
+
+def test_a_new_plan_recompiles_once_and_runs_the_new_kernels():
+    model = _mlp()
+    layers = loka_torchrec.apply(model, DispatchConfig(mode="all-bf16")).dispatcher.managed_layers()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    _, y_bf16 = _step(compiled, 16, seed=3)
+    for layer in layers.values():
+        layer.set_kernels(LayerKernels.uniform(ROWWISE))
+    _, y_fp8 = _step(compiled, 16, seed=3)
+    _step(compiled, 16, seed=4)
+    assert counters["stats"]["unique_graphs"] == 2  # one per plan, none per step
+    assert not torch.equal(y_bf16, y_fp8)  # the FP8 kernels really run after the re-plan
+
+
+def test_nonfinite_operands_are_counted_inside_the_graph():
+    layer = loka_torchrec.LokaLinear(16, 8, kernels=LayerKernels.uniform(ROWWISE))
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(4, 16)
+    x[2, 3] = float("inf")
+    y = compiled(x.requires_grad_(True))
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()
+    # Counted in the compiled forward: x's row 2 (forward A) and x's column 3 (grad-weight's B, x^T).
+    assert int(layer.nonfinite_events) == 2
+
+
+def test_policy_planning_survives_unaligned_and_unsupported_shapes():
+    """Layers of 13 and 28 features (not multiples of 16) and one GEMM the backend refuses: the plan
+    is made, the failing candidate is excluded with its reason, and training goes on."""
+    model = _mlp((40, 28, 13, 48, 8))
+    config = DispatchConfig(
+        mode="policy", candidates=("test_picky:rowwise", "scaled_mm:rowwise"), evidence="random", plan_at_step=1,
+        min_speedup=0.0, samples=2, timing_reps=1, layer_check_reps=0,
+    )  # fmt: skip
+    dispatcher = loka_torchrec.apply(model, config).dispatcher
+    _step(model, 20, seed=0)
+    dispatcher.on_step_end(1)
+    plan = dispatcher.plan
+    assert plan.step == 1
+    # The 13 -> 48 layer's forward GEMM has N = 48: test_picky fails there and is excluded with the reason.
+    decision = plan.layers["4"].roles[GemmRole.FORWARD]
+    notes = {str(e.candidate): e.note for e in decision.considered}
+    assert notes["test_picky:rowwise"].startswith("excluded: RuntimeError: cutlass cannot implement")
+    assert decision.choice == ROWWISE  # the other candidate still runs
+    # Unaligned dims are padded, not excluded: test_picky ran (and was measured) on 28- and 13-wide layers.
+    considered = {str(e.candidate): e for e in plan.layers["2"].roles[GemmRole.FORWARD].considered}
+    assert considered["test_picky:rowwise"].note == "" and considered["test_picky:rowwise"].error.value < 0.2
+    _step(model, 20, seed=1)  # and training goes on with the plan
+    assert dispatcher.seconds["decide"] >= 0.0
+
+
+def test_compiled_layers_offer_only_kernels_that_trace():
+    compiled = DispatchConfig(compiled=True, candidates=("auto",))
+    offered = resolve_candidates(compiled, torch.device("cpu"))
+    assert offered and all(get_backend(c.backend).compile_reason(c.recipe) is None for c in offered)
+    named = DispatchConfig(compiled=True, candidates=("test_picky:rowwise",))
+    with pytest.raises(BackendUnavailableError, match="test_picky:rowwise does not trace under torch.compile"):
+        resolve_candidates(named, torch.device("cpu"))
+    lenient = DispatchConfig(compiled=True, candidates=("test_picky:rowwise",), fallback="bf16")
+    assert resolve_candidates(lenient, torch.device("cpu")) == []
+
+
+def test_compile_dense_compiles_in_place_and_eager_bypasses_it():
+    model = nn.ModuleDict({"over_arch": _mlp(), "tables": nn.EmbeddingBag(10, 4)})
+    keys = set(model.state_dict())
+    assert compile_dense(model, "default") == ["over_arch"]
+    assert set(model.state_dict()) == keys  # nothing renamed, nothing wrapped
+    x = torch.randn(8, 40)
+    with eager():
+        model["over_arch"](x)
+    assert counters["stats"].get("unique_graphs", 0) == 0
+    model["over_arch"](x)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compile_settings_are_checked():
+    assert resolve_compile_mode("auto", "cpu") is None and resolve_compile_mode("auto", "cuda") == "reduce-overhead"
+    assert resolve_compile_mode("none", "cuda") is None
+    with pytest.raises(ValueError, match="train.compile: expected one of"):
+        resolve_compile_mode("fast", "cpu")
+    with pytest.raises(ValueError, match="compile_dense: mode must be one of"):
+        compile_dense(_mlp(), "auto")
+    with pytest.raises(ValueError, match="compile_dense: modules: no submodule 'nope'"):
+        compile_dense(_mlp(), "default", modules=["nope"])
