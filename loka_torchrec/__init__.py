@@ -1,23 +1,30 @@
 """LoKA for TorchRec: FP8 where it is safe and fast, bf16 where it is not.
 
-Top level (the three capabilities):
+Top level UX:
 
-* **dispatch** -- :func:`apply` converts a model's linear layers to :class:`LokaLinear` and sets
-  up the :class:`~loka_torchrec.dispatch.Dispatcher` that picks a kernel per GEMM;
-* **probe** -- :class:`ProbeCallback` learns per-layer statistics during training and gives
-  Dispatch its evidence (``loka_torchrec.probe``);
-* **mods** -- :func:`apply_mods` makes a model FP8-friendly (``loka_torchrec.mods``); FP8
-  embedding all-to-all comes from ``loka_torchrec.comms.registry``.
+* :func:`prepare` -- everything LoKA does to a TorchRec job, as one :class:`Loka` object the job
+  holds: the mods, the Probe, the Dispatcher, FP8 embedding comms (``loka.sharders()``) and
+  ``torch.compile`` of the dense modules. Call it before ``DistributedModelParallel``.
+* :func:`apply` -- only the model mods and the conversion of the linear layers to
+  :class:`LokaLinear`, with the :class:`~loka_torchrec.dispatch.Dispatcher` that sets their kernels
+  (``prepare`` calls it; use it alone for static plans or models outside a training loop).
 
-Configuration: :class:`LokaConfig` and the per-capability dataclasses it holds.
-Not public: everything under ``loka_torchrec.training`` (the reference training job's parts).
+Configuration: :class:`LokaConfig`, holding each capability's frozen dataclass
+(:class:`~loka_torchrec.probe.ProbeConfig`, :class:`DispatchConfig`,
+:class:`~loka_torchrec.mods.ModsConfig`, :class:`~loka_torchrec.comms.CommsConfig`).
+
+Capabilities, each a package: ``loka_torchrec.probe`` (statistics -> evidence),
+``loka_torchrec.dispatch`` (evidence -> plan -> kernels), ``loka_torchrec.mods`` (model changes),
+``loka_torchrec.comms`` (FP8 embedding all-to-all), ``loka_torchrec.compile`` (the dense part
+under ``torch.compile``).
 """
 
 from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.prepare import Loka, prepare
 
-__all__ = ["ApplyReport", "DispatchConfig", "LokaConfig", "LokaLinear", "apply"]
+__all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "apply", "prepare"]
 __version__ = "0.1.0"
 
 

@@ -1,12 +1,16 @@
 """An existing TorchRec training job, written the way TorchRec's own DLRM example is, plus LoKA.
 
-Everything LoKA adds is inside ``if args.loka:`` blocks: three lines a user adds to their job.
+Everything LoKA adds is marked ``# LoKA``: the lines a user adds to their own job (the README
+shows them). With ``--loka`` the Probe learns each GEMM's statistics, Dispatch plans a kernel per
+GEMM from them, and the embedding all-to-all runs in FP8 (forward) and bf16 (backward).
 
     torchrun --standalone --nproc_per_node=2 scripts/torchrec_dlrm_example.py            # plain
     torchrun --standalone --nproc_per_node=2 scripts/torchrec_dlrm_example.py --loka     # with LoKA
+    loka-inspect runs/example                                                            # what it did
 """
 
 import argparse
+import contextlib
 import os
 from typing import Iterator
 
@@ -35,7 +39,8 @@ def parse_args():
     parser.add_argument("--embedding_dim", type=int, default=32)
     parser.add_argument("--num_tables", type=int, default=4)
     parser.add_argument("--loka", action="store_true", help="turn on LoKA (FP8 where it is safe and fast)")
-    parser.add_argument("--loka_mode", default="policy", help="dispatch mode, e.g. policy or all:scaled_mm:rowwise")
+    parser.add_argument("--run_dir", default="runs/example", help="LoKA's plan and per-rank logs")
+    parser.add_argument("--probe_warmup", type=int, default=10, help="steps of statistics before the first plan")
     return parser.parse_args()
 
 
@@ -59,15 +64,23 @@ def main() -> None:
             dense_device=device,
         )
     )
+    sharders = [EmbeddingBagCollectionSharder()]
+    loka = None
     if args.loka:
-        import loka_torchrec
+        import loka_torchrec  # LoKA
+        from loka_torchrec import comms, probe  # LoKA
 
-        report = loka_torchrec.apply(model, loka_torchrec.DispatchConfig(mode=args.loka_mode))
+        config = loka_torchrec.LokaConfig(  # LoKA
+            enabled=True,
+            probe=probe.ProbeConfig(warmup_steps=args.probe_warmup, every=2, every_after=10),
+            comms=comms.CommsConfig(forward="fp8", backward="bf16"),
+        )
+        loka = loka_torchrec.prepare(model, config, run_dir=args.run_dir)  # LoKA
+        sharders = loka.sharders()  # LoKA
         if dist.get_rank() == 0:
-            print(report)
+            print(loka)
 
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
-    sharders = [EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(), compute_device=device.type))
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(module=model, device=device, plan=plan, sharders=sharders)
@@ -87,13 +100,14 @@ def main() -> None:
     )
     batches: Iterator[Batch] = iter(dataset)
     for step in range(1, args.steps + 1):
-        loss, _, _ = pipeline.progress(batches)
-        if args.loka:
-            report.dispatcher.on_step_end(step)
+        with loka.step(step) if loka else contextlib.nullcontext():  # LoKA
+            loss, _, _ = pipeline.progress(batches)
         if dist.get_rank() == 0 and step % 10 == 0:
             print(f"step {step} loss {float(loss):.4f}")
-    if args.loka and dist.get_rank() == 0:
-        print(report.dispatcher.plan.table())
+    if loka:
+        loka.close()  # LoKA
+        if dist.get_rank() == 0:
+            print(loka.dispatcher.plan.table())
     dist.destroy_process_group()
 
 

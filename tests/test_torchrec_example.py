@@ -1,6 +1,8 @@
 """The plain-TorchRec example job runs with and without its --loka flag (2 gloo ranks)."""
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -27,8 +29,20 @@ def test_example_without_loka():
 
 
 @pytest.mark.slow
-def test_example_with_loka_runs_fp8():
-    out = run_example("--loka", "--loka_mode", "all:scaled_mm:rowwise")
-    assert "LoKA converted 5 linear layer(s)" in out
-    assert "15/15 GEMMs in FP8" in out
-    assert "step 10 loss" in out
+def test_example_with_loka_probes_plans_and_compresses_comms(tmp_path):
+    """The README's integration lines on a TorchRec job the project did not write: the Probe's
+    evidence makes the plan, the all-to-all runs through the FP8 codecs, and loka-inspect reads it."""
+    run_dir = tmp_path / "run"
+    out = run_example("--loka", "--steps", "24", "--run_dir", str(run_dir), "--probe_warmup", "10")
+    assert "LoKA converted 5 linear layer(s)" in out and "comms: forward fp8, backward bf16" in out
+    assert "step 20 loss" in out
+    plan = json.loads((run_dir / "dispatch_plan.json").read_text())
+    assert 0 < plan["step"] <= 10 and plan["mode"] == "policy"  # planned within the warm-up...
+    sources = {d["source"] for layer in plan["layers"].values() for d in layer["roles"].values()}
+    assert sources <= {"policy/probe", "layer_check"}, sources  # ...from the Probe's evidence
+    for rank in (0, 1):
+        assert (run_dir / "probe" / f"rank{rank}.jsonl").stat().st_size > 0
+    inspect = subprocess.run([os.path.join(os.path.dirname(sys.executable), "loka-inspect"), str(run_dir)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert inspect.returncode == 0, inspect.stderr[-2000:]
+    assert "model.dense_arch." in inspect.stdout and "wgrad" in inspect.stdout  # every layer, every role

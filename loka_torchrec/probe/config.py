@@ -26,7 +26,8 @@ class ProbeConfig:
     measures error and speed of every candidate kernel, and hands the evidence to Dispatch.
 
     Attributes:
-        enabled: master switch; a disabled Probe registers no hook and does nothing.
+        enabled: master switch (on by default: the Probe's evidence is what Dispatch plans from); a
+            disabled Probe registers no hook and does nothing.
         every: cadence (in steps) during the warm-up window.
         warmup_steps: length of the warm-up window; evidence is produced at its end.
         every_after: shortest interval (steps) between two monitoring steps after the warm-up
@@ -88,7 +89,7 @@ class ProbeConfig:
         8
     """
 
-    enabled: bool = False
+    enabled: bool = True
     every: int = 10
     warmup_steps: int = 200
     every_after: int = 500

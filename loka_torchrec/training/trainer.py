@@ -21,6 +21,7 @@ from torch import nn
 
 from loka_torchrec.baselines import BaselineConfig
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
+from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.training.checkpoint import resume_checkpoint, save_checkpoint
@@ -302,16 +303,12 @@ class Trainer:
         baseline_config = baseline_config or BaselineConfig()
         check_baseline_vs_loka(baseline_config, loka_config)
         self.compile_mode = resolve_compile_mode(train_config.compile, ctx.device)
-        if self.compile_mode is not None and loka_config.enabled:
-            # Dispatch offers only kernels that trace, and times candidates as the compiled step runs them.
-            loka_config = dataclasses.replace(loka_config, dispatch=dataclasses.replace(loka_config.dispatch, compiled=True))
-            self.loka_cfg = loka_config
-        # 1. LoKA converts the unsharded model (mods, LokaLinear, dispatcher) before DMP wraps it.
+        # 1. LoKA, as any TorchRec job turns it on (loka_torchrec.prepare): mods, conversion, Probe,
+        #    Dispatch and the compile of the dense modules, on the unsharded model before DMP wraps it.
         self.loka = None
         if loka_config.enabled:
-            import loka_torchrec
-
-            self.loka = loka_torchrec.apply(model, loka_config, run_dir=run_dir)
+            self.loka = prepare(model, loka_config, run_dir=run_dir, compile=train_config.compile, device=ctx.device)
+            self.loka_cfg = self.loka.config
             if ctx.is_main:
                 logger.info("%s", self.loka)
         # 1b. Or a baseline: another library's FP8 on the dense layers, same place in the set-up.
@@ -322,14 +319,15 @@ class Trainer:
             self.baseline = apply_baseline(model, baseline_config)
             if ctx.is_main:
                 logger.info("%s", self.baseline)
-        # 1c. torch.compile of the dense modules, in place (names and state_dict keys unchanged).
-        self.compiled_modules: List[str] = []
-        if self.compile_mode is not None:
+        # 1c. Without LoKA, torch.compile of the dense modules here (in place: names and
+        #     state_dict keys unchanged).
+        self.compiled_modules: List[str] = [] if self.loka is None else self.loka.compiled_modules
+        if self.compile_mode is not None and self.loka is None:
             # Transformer Engine's modules do not trace whole: let Dynamo break the graph around them.
             fullgraph = baseline_config.kind != "te"
             self.compiled_modules = compile_dense(model, self.compile_mode, fullgraph=fullgraph)
-        # 2. Sharders: FP8 embedding comms come with LoKA's comms registry when configured.
-        sharders = self._sharders(default_sharders)
+        # 2. Sharders: LoKA's, with its embedding comm codecs; TorchRec's own without LoKA.
+        sharders = default_sharders() if self.loka is None else self.loka.sharders()
         # 3. Shard with TorchRec's planner and DMP (DMPCollection with train.sharding_group_size);
         #    fused row-wise Adagrad for embeddings.
         self.module = ClickTrainModule(
@@ -362,10 +360,10 @@ class Trainer:
         self.pipeline = TrainPipelineSparseDist(
             self.model, self.optimizer, ctx.device, execute_all_batches=True, **replica_sync
         )
-        # 6. Probe: statistics hooks and evidence for Dispatch (LoKA only).
-        self.probe = self._probe(model)
+        # 6. Every rank runs the same plan before the first step.
+        self.probe = None if self.loka is None else self.loka.probe
         if self.loka is not None:
-            self.loka.dispatcher.start()
+            self.loka.start()
         # 7. Metrics, and the state resumed from a checkpoint.
         self.train_metrics = BinaryClassificationMetrics(ctx.device)
         self.eval_metrics = BinaryClassificationMetrics(ctx.device)
@@ -377,23 +375,6 @@ class Trainer:
             self._resume(train_config.resume)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _sharders(self, default_sharders):
-        comms = getattr(self.loka_cfg, "comms", None)
-        if self.loka_cfg.enabled and comms is not None:
-            from loka_torchrec import comms as loka_comms
-
-            return loka_comms.sharders(comms)
-        return default_sharders()
-
-    def _probe(self, model: nn.Module):
-        probe_cfg = getattr(self.loka_cfg, "probe", None)
-        if self.loka is None or probe_cfg is None or not probe_cfg.enabled:
-            return None
-        from loka_torchrec.probe import ProbeCallback
-
-        # The loop numbers steps from 1; the callback's cadence counts from start_step.
-        return ProbeCallback(model, probe_cfg, run_dir=self.run_dir, consumer=self.loka.dispatcher, start_step=1)
-
     def _step_profiler(self) -> Optional[StepProfiler]:
         """The profiler of ``train.profile_start``'s window, or ``None`` (off, or a resumed run past it)."""
         cfg = self.cfg
@@ -444,7 +425,7 @@ class Trainer:
                 profiler.before_step(step + 1)
             t0 = time.perf_counter() if cfg.step_sync else last_end
             try:
-                with eager() if self._eager_step(step + 1) else contextlib.nullcontext():
+                with eager() if self.loka is not None and self.loka.eager_at(step + 1) else contextlib.nullcontext():
                     loss, logits, labels = self.pipeline.progress(batches)
             except StopIteration:
                 break
@@ -452,9 +433,7 @@ class Trainer:
             if not self._skipped_nonfinite(step):
                 self.train_metrics.update(logits, labels)
             if self.loka is not None:
-                self.loka.dispatcher.on_step_end(step)
-            if self.probe is not None:
-                self.probe.on_step_end(step)
+                self.loka.step_end(step)  # step times go to the guard below, profiled steps left out
             self._show_plan_if_new(bar)
             if cuda and (cfg.step_sync or step in (cfg.timing_start, cfg.steps)):
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
@@ -570,16 +549,6 @@ class Trainer:
             logger.warning("train.data_workers=%d: this data has no random access; batches are made in the loop", workers)
         return iter(self.train_data(self.start_step))
 
-    def _eager_step(self, step: int) -> bool:
-        """Whether compiled modules run eagerly at ``step``: the Probe's hooks are armed, or Dispatch
-        plans from random evidence after this step and reads the layers' row counts from it."""
-        if not self.compiled_modules or self.loka is None:
-            return False
-        if self.probe is not None and self.probe.probing:
-            return True
-        dispatch = self.loka_cfg.dispatch
-        return dispatch.mode == "policy" and dispatch.evidence in ("random", "auto") and self.probe is None and step <= dispatch.plan_at_step
-
     def _restart_step_clock(self) -> float:
         """After work that is not a training step (eval, checkpoint, profiler set-up): drain the GPU
         and start the next step's clock now."""
@@ -637,12 +606,7 @@ class Trainer:
             "nonfinite": self.nonfinite.state_dict(),
         }
         if self.loka is not None:
-            state["loka"] = {
-                **self.loka.dispatcher.state_dict(),
-                "comms": dataclasses.asdict(self.loka_cfg.comms) if getattr(self.loka_cfg, "comms", None) is not None else None,
-            }
-        if self.probe is not None:
-            state["probe"] = self.probe.state_dict()
+            state["loka"] = self.loka.state_dict()
         return state
 
     def save(self, step: int) -> str:
@@ -670,13 +634,13 @@ class Trainer:
             self.nonfinite.load_state_dict(state["nonfinite"])
         if self.loka is not None and "loka" in state:
             saved = state["loka"]
-            comms = getattr(self.loka_cfg, "comms", None)
-            if saved.get("comms") is not None and comms is not None and saved["comms"] != dataclasses.asdict(comms) and self.ctx.is_main:
-                logger.warning("train.resume: the checkpoint ran loka.comms=%s; this run has %s", saved["comms"], dataclasses.asdict(comms))
-            self.loka.dispatcher.load_state_dict(saved)  # plan, valve, guard; rewrites dispatch_plan.json
-        if self.probe is not None:
-            if "probe" in state:
-                self.probe.load_state_dict(state["probe"])  # a planned run is not re-planned from scratch
+            comms = dataclasses.asdict(self.loka_cfg.comms)
+            if saved.get("comms") is not None and saved["comms"] != comms and self.ctx.is_main:
+                logger.warning("train.resume: the checkpoint ran loka.comms=%s; this run has %s", saved["comms"], comms)
+            # Plan, valve, guard (dispatch_plan.json rewritten); the Probe's state, so a planned run
+            # is not re-planned from scratch.
+            self.loka.load_state_dict(saved, step=self.start_step)
+        elif self.probe is not None:
             self.probe.resume_at(self.start_step + 1)  # the loop's next step
         if self.ctx.is_main:
             logger.info("resumed from %s at step %d", folder, self.start_step)
@@ -718,8 +682,8 @@ class Trainer:
             return None
         plan = self.loka.dispatcher.plan
         return {
-            "converted_layers": len(self.loka.converted),
-            "skipped_layers": len(self.loka.skipped),
+            "converted_layers": len(self.loka.report.converted),
+            "skipped_layers": len(self.loka.report.skipped),
             "plan": plan.summary() + (" (not running: the step-time guard returned every GEMM to bf16)" if self.loka.dispatcher.step_guard_reason else ""),
             "fp8_gemms": 0 if self.loka.dispatcher.step_guard_reason else plan.fp8_gemm_count(),
             "kernels": plan.counts(),

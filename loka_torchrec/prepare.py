@@ -1,0 +1,198 @@
+"""``loka_torchrec.prepare``: LoKA for an existing TorchRec job, as one object.
+
+:func:`prepare` does, on the unsharded model and before ``DistributedModelParallel`` wraps it,
+everything LoKA is: the model mods, the conversion of the linear layers, the Probe that learns
+their statistics, the Dispatcher that plans a kernel per GEMM from the Probe's evidence (with its
+accuracy gate, speed gate, layer check and step-time guard), the FP8 embedding comms (through
+:meth:`Loka.sharders`) and, when asked, ``torch.compile`` of the dense modules. The returned
+:class:`Loka` is what the job holds: it gives DMP its sharders, hears about each step, and puts
+every decision into the job's checkpoints.
+
+Example (the lines a TorchRec job adds; ``model`` built, process group initialized)::
+
+    loka = loka_torchrec.prepare(model, loka_torchrec.LokaConfig(enabled=True), run_dir="runs/x")
+    model = DistributedModelParallel(model, device=device, sharders=loka.sharders())
+    ...
+    for step in range(1, steps + 1):
+        with loka.step(step):
+            pipeline.progress(batches)
+    checkpoint["loka"] = loka.state_dict()   # and loka.load_state_dict(...) on resume
+    loka.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+from torch import nn
+
+from loka_torchrec.api import ApplyReport, apply
+from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
+from loka_torchrec.config import LokaConfig
+
+__all__ = ["Loka", "prepare"]
+
+
+@dataclasses.dataclass
+class Loka:
+    """What :func:`prepare` set up for one job (one per rank).
+
+    Attributes:
+        config: the configuration in force (``dispatch.compiled`` set when the dense modules compile).
+        report: what the conversion and the mods changed (:class:`~loka_torchrec.api.ApplyReport`).
+        probe: the Probe callback, or ``None`` when ``probe.enabled`` is false.
+        compiled_modules: the dense submodules compiled in place (empty: eager).
+    """
+
+    config: LokaConfig
+    report: ApplyReport
+    probe: Optional[Any]
+    compiled_modules: List[str]
+    _started: bool = False
+    _last_step_end: Optional[float] = None
+
+    @property
+    def dispatcher(self):
+        """The :class:`~loka_torchrec.dispatch.Dispatcher` that owns the plan (``dispatcher.plan``)."""
+        return self.report.dispatcher
+
+    # ------------------------------------------------------------------ the job's hooks
+    def sharders(self) -> list:
+        """Sharders for ``DistributedModelParallel``: TorchRec's embedding sharders with LoKA's comm
+        codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32)."""
+        from loka_torchrec import comms
+
+        return comms.sharders(self.config.comms)
+
+    def start(self) -> None:
+        """Check that every rank runs the same plan and write the initial plan file. Called by the
+        first :meth:`step` or :meth:`step_end`; call it yourself to check before training."""
+        if not self._started:
+            self._started = True
+            self.dispatcher.start()
+
+    def eager_at(self, step: int) -> bool:
+        """Whether compiled modules must run eagerly at ``step`` (numbered from 1): the Probe's
+        hooks are armed, or Dispatch plans from random evidence after it and reads the row counts."""
+        if not self.compiled_modules:
+            return False
+        if self.probe is not None and self.probe.probing:
+            return True
+        dispatch = self.config.dispatch
+        return dispatch.mode == "policy" and dispatch.evidence == "random" and step <= dispatch.plan_at_step
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run one training step (numbered from 1) inside this block.
+
+        Compiled modules run eagerly where :meth:`eager_at` says so; at the end of the block the
+        step is reported (:meth:`step_end`) with its time: host time from the previous step's end
+        (over a window, the loop's throughput; the step-time guard compares medians of these).
+        """
+        self.start()
+        with eager() if self.eager_at(step) else contextlib.nullcontext():
+            yield
+        now = time.perf_counter()
+        step_ms = None if self._last_step_end is None else 1e3 * (now - self._last_step_end)
+        self.step_end(step, step_ms=step_ms)
+        self._last_step_end = time.perf_counter()  # planning work in step_end is not the next step's
+
+    def step_end(self, step: int, *, step_ms: Optional[float] = None) -> None:
+        """Report the end of training step ``step`` (numbered from 1): the Probe merges and plans
+        when due, Dispatch plans from random evidence when due, and ``step_ms`` (the step's wall
+        time, if known) goes to the step-time guard. :meth:`step` calls it for you."""
+        self.start()
+        self.dispatcher.on_step_end(step)
+        if self.probe is not None:
+            self.probe.on_step_end(step)
+        if step_ms is not None:
+            self.dispatcher.observe_step_time(step, step_ms)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Every decision so far (plan, safety valve, step-time guard, the Probe's statistics and
+        schedule, the comms precisions): put it into the job's checkpoint."""
+        state: Dict[str, Any] = {"dispatch": self.dispatcher.state_dict(), "comms": dataclasses.asdict(self.config.comms)}
+        if self.probe is not None:
+            state["probe"] = self.probe.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int) -> None:
+        """Restore :meth:`state_dict`'s decisions in a job resumed after training step ``step``.
+
+        Raises:
+            ValueError: ``state`` is not a :meth:`state_dict` (names the missing key).
+        """
+        if not isinstance(state, Mapping) or "dispatch" not in state:
+            raise ValueError("loka state: expected the mapping Loka.state_dict() returned (with key 'dispatch')")
+        self.dispatcher.load_state_dict(state["dispatch"])
+        if self.probe is not None:
+            if "probe" in state:
+                self.probe.load_state_dict(state["probe"])
+            self.probe.resume_at(step + 1)
+
+    def close(self) -> None:
+        """Flush the Probe's logs and remove its hooks (idempotent)."""
+        if self.probe is not None:
+            self.probe.close()
+
+    def __str__(self) -> str:
+        lines = [str(self.report)]
+        lines.append(f"probe: {'on' if self.probe is not None else 'off'}; comms: forward {self.config.comms.forward}, "
+                     f"backward {self.config.comms.backward}")  # fmt: skip
+        if self.compiled_modules:
+            lines.append(f"torch.compile: {', '.join(self.compiled_modules)}")
+        return "\n".join(lines)
+
+
+def prepare(
+    model: nn.Module,
+    config: Optional[LokaConfig] = None,
+    *,
+    run_dir: Optional[str] = None,
+    compile: str = "none",
+    device: Optional[Any] = None,
+    process_group=None,
+) -> Loka:
+    """Set LoKA up for ``model``, in place, before ``DistributedModelParallel`` wraps it.
+
+    Args:
+        model: the unsharded model (embedding tables may be on ``meta``).
+        config: what LoKA does; ``None``: ``LokaConfig(enabled=True)`` (the Probe plans each GEMM's
+            kernel). ``config.enabled`` is not consulted: calling ``prepare`` is the decision.
+        run_dir: where the plan, the dispatch events and the Probe's per-rank logs go (the same
+            folder on every rank; ``loka-inspect RUN_DIR`` reads it). Required with the Probe on.
+        compile: ``torch.compile`` of the dense modules (:data:`loka_torchrec.compile.COMPILE_MODES`;
+            ``auto`` is ``reduce-overhead`` on CUDA, eager elsewhere); ``none`` leaves them eager.
+        device: the dense modules' device, for ``compile="auto"`` (default: the first parameter's).
+        process_group: the ranks that merge statistics and agree on the plan (default: all).
+
+    Raises:
+        TypeError: ``model`` or ``config`` of the wrong type.
+        ValueError: the Probe is on and ``run_dir`` is missing; an unknown ``compile`` mode.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    config = LokaConfig(enabled=True) if config is None else config
+    if not isinstance(config, LokaConfig):
+        raise TypeError(f"config: expected a LokaConfig, got {type(config).__name__}")
+    if config.probe.enabled and run_dir is None:
+        raise ValueError("run_dir: required when the Probe is on (its per-rank logs and the plan go there)")
+    if device is None:
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), "cpu")
+    mode = resolve_compile_mode(compile, device)
+    if mode is not None:  # Dispatch offers only kernels that trace, timed as the compiled step runs them
+        config = dataclasses.replace(config, dispatch=dataclasses.replace(config.dispatch, compiled=True))
+    report = apply(model, config, run_dir=run_dir, process_group=process_group)
+    probe = None
+    if config.probe.enabled:
+        from loka_torchrec.probe import ProbeCallback
+
+        probe = ProbeCallback(
+            model, config.probe, run_dir=run_dir, consumer=report.dispatcher, process_group=process_group, start_step=1
+        )
+    compiled = compile_dense(model, mode) if mode is not None else []
+    return Loka(config, report, probe, compiled)
