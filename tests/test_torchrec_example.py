@@ -43,6 +43,6 @@ def test_example_with_loka_probes_plans_and_compresses_comms(tmp_path):
     for rank in (0, 1):
         assert (run_dir / "probe" / f"rank{rank}.jsonl").stat().st_size > 0
     inspect = subprocess.run([os.path.join(os.path.dirname(sys.executable), "loka-inspect"), str(run_dir)],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="300"))  # fmt: skip
     assert inspect.returncode == 0, inspect.stderr[-2000:]
     assert "model.dense_arch." in inspect.stdout and "wgrad" in inspect.stdout  # every layer, every role
