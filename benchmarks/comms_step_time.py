@@ -196,10 +196,10 @@ def _profile_steps(variant: str, args, device, pipeline, data) -> Dict:
     """``--profile-steps`` more steps under ``torch.profiler``: where this variant's step goes.
 
     The kernels are sorted into the training job's categories
-    (:mod:`loka_torchrec.training.profiling`): NCCL time is ``comms``, this project's codec
+    (:mod:`loka_job.training.profiling`): NCCL time is ``comms``, this project's codec
     kernels are ``fp8_quantize``; wall time minus busy time is the host's share.
     """
-    from loka_torchrec.training.profiling import StepProfiler, profile_summary
+    from loka_job.training.profiling import StepProfiler, profile_summary
 
     out_dir = os.path.join(args.out, f"profile-{variant}-rank{dist.get_rank()}")
     os.makedirs(out_dir, exist_ok=True)

@@ -3,7 +3,7 @@
 For each recipe (``--recipes``, default the GPU-sized ``dlrm_large,dhen_large,dhen_xl,hstu_large,
 hstu_xl``), run (``--runs``) and seed (``--seeds``), launches the training job
 
-    torchrun --standalone --nproc_per_node=N -m loka_torchrec.train model=<recipe> device=<device>
+    torchrun --standalone --nproc_per_node=N -m loka_job.train model=<recipe> device=<device>
         <the run's overrides> train.compile=<mode> seed=<s> train.steps=<n> train.timing_start=<w> ...
 
 with ``LOKA_RUN_DIR`` set to its own folder, one at a time, under a per-run timeout and an
@@ -63,7 +63,7 @@ option, is skipped with the reason, without launching it.
 table gets each run's GEMM share of the kernel time and the Amdahl ceiling of the step if every
 GEMM ran 2x faster, and the section "Where the step goes" gives per run and seed kernel ms per
 step, the shares of GEMMs (bf16 + fp8), FP8 quantization, embeddings, communication and the
-rest, and the device's idle share (``loka_torchrec/training/profiling.py``). Put the window
+rest, and the device's idle share (``loka_job/training/profiling.py``). Put the window
 after ``--window-start`` (steady state: compiled, CUDA graphs recorded, the plan made), e.g.
 ``--steps 300 --probe-warmup 100 --profile-start 290 --profile-steps 5``.
 
@@ -198,8 +198,8 @@ _TORCHAO_FILTERABLE = ("torchao_tensorwise", "torchao_rowwise")
 @functools.lru_cache(maxsize=None)
 def job_has_compile_option() -> bool:
     """Whether the installed training job knows ``train.compile`` (its ``recipes/config.yaml``, the
-    one ``-m loka_torchrec.train`` composes); a job without it refuses the override."""
-    spec = importlib.util.find_spec("loka_torchrec.recipes")
+    one ``-m loka_job.train`` composes); a job without it refuses the override."""
+    spec = importlib.util.find_spec("loka_job.recipes")
     if spec is None or not spec.submodule_search_locations:
         return False
     from omegaconf import OmegaConf
@@ -388,7 +388,7 @@ def launch(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int, run_
     if os.path.isdir(run_dir):
         shutil.rmtree(run_dir)  # a stale summary.json must never be read as this run's
     os.makedirs(run_dir)
-    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={args.nproc}", "-m", "loka_torchrec.train"]
+    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={args.nproc}", "-m", "loka_job.train"]
     cmd += run_overrides(args, recipe, spec, seed)
     env = dict(os.environ, LOKA_RUN_DIR=run_dir, PYTHONWARNINGS="ignore")
     record: Dict[str, Any] = {
@@ -402,8 +402,8 @@ def launch(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int, run_
     t0 = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
-        # cwd: the run's folder, so that `-m loka_torchrec.train` is the installed project (or the
-        # one on PYTHONPATH), never the source folder, which lacks loka_torchrec.recipes/.kernels.
+        # cwd: the run's folder, so that `-m loka_job.train` is the installed project (or the
+        # one on PYTHONPATH), never the source folder, which lacks loka_job.recipes/.kernels.
         proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)

@@ -19,12 +19,12 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from loka_torchrec.training.data import make_data
+from loka_job.training.data import make_data
 
 
 def batch_ms(recipe: str, batches: int) -> float:
     """Median wall time (ms) of making one train batch of ``recipe``'s data on this process."""
-    with initialize_config_module(config_module="loka_torchrec.recipes", version_base=None):
+    with initialize_config_module(config_module="loka_job.recipes", version_base=None):
         cfg = compose(config_name="config", overrides=[f"model={recipe}"])
     data = make_data(OmegaConf.to_container(cfg.data, resolve=True), rank=0, world_size=1, seed=0)
     split = data.train_split

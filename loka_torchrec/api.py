@@ -11,6 +11,7 @@ from loka_torchrec.config import LokaConfig
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.convert import convert_linears
 from loka_torchrec.dispatch.dispatcher import Dispatcher
+from loka_torchrec.probe.config import ProbeConfig
 
 __all__ = ["apply", "ApplyReport"]
 
@@ -60,7 +61,9 @@ def apply(
     Args:
         model: the model (or its dense part).
         config: a :class:`LokaConfig` (its ``enabled`` flag is not consulted: calling ``apply`` is
-            the decision) or just a :class:`DispatchConfig`; ``None`` means the defaults.
+            the decision) or just a :class:`DispatchConfig` (then a ``policy`` plans from
+            random-input evidence); ``None`` means the defaults. ``apply`` starts no Probe: with
+            the Probe on (the default), :func:`loka_torchrec.prepare` is the call that runs one.
         run_dir: where the plan JSON and dispatch events are written (rank 0).
         process_group: the ranks that must agree on the plan (default: the default group).
 
@@ -81,7 +84,8 @@ def apply(
     if config is None:
         config = LokaConfig()
     if isinstance(config, DispatchConfig):
-        config = LokaConfig(enabled=True, dispatch=config)
+        # No Probe comes with a bare DispatchConfig: a policy plans from random-input evidence.
+        config = LokaConfig(enabled=True, dispatch=config, probe=ProbeConfig(enabled=False))
     if not isinstance(config, LokaConfig):
         raise TypeError(f"config: expected LokaConfig or DispatchConfig, got {type(config).__name__}")
     mods_report = None

@@ -14,7 +14,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3}
-if ! $PY -P -c "import loka_torchrec.recipes, loka_torchrec.kernels" 2>/dev/null; then
+if ! $PY -P -c "import loka_job.recipes, loka_torchrec.kernels" 2>/dev/null; then
   source "$ROOT/scripts/installed_layout.sh" && use_installed_layout "$ROOT"
   echo "e2e_compare.sh: using the project from $LOKA_SITE" >&2
 fi

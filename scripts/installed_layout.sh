@@ -9,9 +9,9 @@ use_installed_layout() {
   local root=$1 site=${2:-}
   [ -n "$site" ] || site=$(mktemp -d /tmp/loka-site.XXXXXX)
   mkdir -p "$site"
-  cp -r "$root/loka_torchrec" "$site/"
+  cp -r "$root/loka_torchrec" "$root/loka_job" "$site/"
   cp -r "$root/kernels" "$site/loka_torchrec/kernels"
-  cp -r "$root/recipes" "$site/loka_torchrec/recipes"
+  cp -r "$root/recipes" "$site/loka_job/recipes"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   LOKA_SITE=$site
 }

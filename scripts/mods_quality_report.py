@@ -70,7 +70,7 @@ class RunSpec:
 def _datasets(model: str, steps: int, batch_size: int, eval_batches: int, data_seed: int):
     """``(spec, train, eval, teacher_ne_fn)`` for the model's synthetic task."""
     if model == "dhen":
-        from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
+        from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
 
         cfg = SyntheticConfig(
             num_dense=13, num_tables=6, num_embeddings=1000, embedding_dim=32, batch_size=batch_size,
@@ -82,7 +82,7 @@ def _datasets(model: str, steps: int, batch_size: int, eval_batches: int, data_s
             SyntheticRecDataset(cfg, rank=0, world_size=1, split="eval"),
             lambda: teacher_ne(cfg),
         )
-    from loka_torchrec.training.synthetic_sequences import (
+    from loka_job.training.synthetic_sequences import (
         SyntheticSequenceConfig, SyntheticSequenceDataset, make_sequence_data_spec, sequence_teacher_ne,
     )
 
@@ -102,16 +102,16 @@ def _build(model: str, spec, seed: int) -> torch.nn.Module:
     cpu = torch.device("cpu")
     torch.manual_seed(seed)
     if model == "dhen":
-        from loka_torchrec.models.dhen import DhenConfig, build_dhen
+        from loka_job.models.dhen import DhenConfig, build_dhen
 
         return build_dhen(DhenConfig.small(), spec, cpu, embedding_device=cpu)
-    from loka_torchrec.models.hstu import HstuConfig, build_hstu
+    from loka_job.models.hstu import HstuConfig, build_hstu
 
     return build_hstu(HstuConfig.small(), spec, cpu, embedding_device=cpu)
 
 
 def _evaluate(net: torch.nn.Module, data) -> float:
-    from loka_torchrec.training.metrics import normalized_entropy
+    from loka_job.training.metrics import normalized_entropy
 
     net.eval()
     logits, labels = [], []

@@ -11,5 +11,5 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export LOKA_RUN_DIR=${LOKA_RUN_DIR:-outputs/$(date +%Y-%m-%d)/$(date +%H-%M-%S)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$root/.venv/bin/torchrun" --standalone --nproc_per_node=2 -m loka_torchrec.train \
+exec "$root/.venv/bin/torchrun" --standalone --nproc_per_node=2 -m loka_job.train \
   device=cpu loka.dispatch.min_speedup=0 "$@"

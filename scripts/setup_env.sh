@@ -6,8 +6,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.loka-env-v1"
-if [ -f "$stamp" ] && "$venv/bin/python" -c "import torchrec, loka_torchrec" 2>/dev/null; then
+stamp="$venv/.loka-env-v2"
+if [ -f "$stamp" ] && "$venv/bin/python" -c "import torchrec, loka_torchrec, loka_job.recipes" 2>/dev/null; then
   exit 0
 fi
 echo "setting up $venv (first run only; a few minutes)" >&2

@@ -1,7 +1,7 @@
 """The training entry point with one injected fault, for the fault matrix (tests/test_faults.py).
 
 ``LOKA_FAULT=<kind>:<batch>[:<rank>]`` (rank: every rank when left out) picks the fault; the
-rest of the command line is the job's Hydra overrides, as for ``python -m loka_torchrec.train``.
+rest of the command line is the job's Hydra overrides, as for ``python -m loka_job.train``.
 ``<batch>`` counts train batches from 0 as the data hands them out (the pipeline fetches two
 ahead of the step that trains them), so faults land at a fixed, repeatable point of the run.
 
@@ -48,7 +48,7 @@ def install() -> None:
     kind, at, ranks = _parse()
     if not _mine(ranks):
         return
-    from loka_torchrec.training import checkpoint, data as data_module, trainer as trainer_module
+    from loka_job.training import checkpoint, data as data_module, trainer as trainer_module
     from loka_torchrec import train as train_module
 
     holder = {}
@@ -128,7 +128,7 @@ def _inject(kind, batch, trainer):
 
 if __name__ == "__main__":
     install()
-    from loka_torchrec.train import main
+    from loka_job.train import main
 
-    sys.argv[0] = "loka_torchrec.train"
+    sys.argv[0] = "loka_job.train"
     main()

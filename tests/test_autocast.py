@@ -11,7 +11,7 @@ from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.evidence import KernelChoice
-from loka_torchrec.training.trainer import ClickTrainModule, TrainConfig, step_time_stats
+from loka_job.training.trainer import ClickTrainModule, TrainConfig, step_time_stats
 
 BF16 = torch.bfloat16
 

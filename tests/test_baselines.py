@@ -1,4 +1,4 @@
-"""``loka_torchrec.baselines``: torchao / Transformer Engine FP8 on the dense layers, as baselines."""
+"""``loka_job.baselines``: torchao / Transformer Engine FP8 on the dense layers, as baselines."""
 
 import sys
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from loka_torchrec.baselines import BaselineConfig, TePaddedLinear, apply_baseline
+from loka_job.baselines import BaselineConfig, TePaddedLinear, apply_baseline
 from loka_torchrec.config import LokaConfig
-from loka_torchrec.training.trainer import check_baseline_vs_loka
+from loka_job.training.trainer import check_baseline_vs_loka
 
 
 class _Model(nn.Module):
@@ -56,7 +56,7 @@ def test_baseline_with_loka_is_refused():
 
 
 def test_training_job_refuses_baseline_with_loka_before_starting(tmp_path):
-    from loka_torchrec.train import run
+    from loka_job.train import run
 
     cfg = {"model": {"name": "dlrm"}, "loka": {"enabled": True}, "baseline": {"kind": "te", "recipe": "delayed"}}
     with pytest.raises(ValueError, match="baseline.kind=te cannot run with loka.enabled=true"):
@@ -174,9 +174,9 @@ def test_recipe_sections_compose_and_validate():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from loka_torchrec.training.trainer import TrainConfig
+    from loka_job.training.trainer import TrainConfig
 
-    with initialize_config_module("loka_torchrec.recipes", version_base=None):
+    with initialize_config_module("loka_job.recipes", version_base=None):
         default = OmegaConf.to_container(compose("config"), resolve=True)
         cfg = OmegaConf.to_container(
             compose("config", ["baseline.kind=te", "baseline.recipe=delayed", "train.autocast=bf16", "loka.enabled=false"]),

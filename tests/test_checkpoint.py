@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loka_torchrec.training.checkpoint import CheckpointError, checkpoint_problem, resume_checkpoint, save_checkpoint
+from loka_job.training.checkpoint import CheckpointError, checkpoint_problem, resume_checkpoint, save_checkpoint
 
 
 def _state(step):

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from loka_torchrec.training.sharding import SYNC_INTERVAL_ARG, check_sharding_group_size
-from loka_torchrec.training.trainer import TrainConfig
+from loka_job.training.sharding import SYNC_INTERVAL_ARG, check_sharding_group_size
+from loka_job.training.trainer import TrainConfig
 from test_train_job import ROOT, SMALL, launch, read_metrics
 
 
@@ -85,7 +85,7 @@ def test_bad_sharding_group_size_through_the_entry_point(tmp_path, overrides, me
     env = dict(os.environ, LOKA_RUN_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "loka_torchrec.train", *SMALL, "train.steps=2", "loka.enabled=false", *overrides]
+    cmd = [sys.executable, "-m", "loka_job.train", *SMALL, "train.steps=2", "loka.enabled=false", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, proc.stderr[-3000:]

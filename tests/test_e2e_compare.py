@@ -269,10 +269,10 @@ def test_job_has_compile_option_reads_the_installed_config():
     override needs)."""
     from omegaconf import OmegaConf
 
-    import loka_torchrec.recipes
+    import loka_job.recipes
 
     e2e = _driver()
-    config = OmegaConf.load(os.path.join(os.path.dirname(loka_torchrec.recipes.__file__), "config.yaml"))
+    config = OmegaConf.load(os.path.join(os.path.dirname(loka_job.recipes.__file__), "config.yaml"))
     assert e2e.job_has_compile_option() == ("compile" in config.train)
 
 

@@ -5,8 +5,8 @@ import torch
 
 import loka_torchrec
 from loka_torchrec.config import LokaConfig
-from loka_torchrec.models import build_model
-from loka_torchrec.training.trainer import TrainConfig
+from loka_job.models import build_model
+from loka_job.training.trainer import TrainConfig
 
 
 def test_apply_refuses_what_is_not_a_module():
@@ -39,7 +39,7 @@ def test_train_config_errors_name_the_field_the_user_typed(kwargs, message):
 
 
 def _spec():
-    from loka_torchrec.training.synthetic import SyntheticConfig, make_data_spec
+    from loka_job.training.synthetic import SyntheticConfig, make_data_spec
 
     return make_data_spec(SyntheticConfig(num_tables=2, num_embeddings=100, embedding_dim=16))
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import loka_torchrec.training.metrics as metrics_module
-from loka_torchrec.training.metrics import (
+import loka_job.training.metrics as metrics_module
+from loka_job.training.metrics import (
     BinaryClassificationMetrics,
     StepTimer,
     binary_entropy,

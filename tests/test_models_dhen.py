@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from loka_torchrec.models.dhen import DhenConfig, DhenLayer, build_dhen, token_split
+from loka_job.models.dhen import DhenConfig, DhenLayer, build_dhen, token_split
 from loka_torchrec.mods import BlockNorm, ModsConfig, PaddedLinear, SiblingLinears, apply_mods
-from loka_torchrec.training.data_spec import DataSpec, TableSpec
+from loka_job.training.data_spec import DataSpec, TableSpec
 
 CPU = torch.device("cpu")
 

@@ -22,13 +22,13 @@ BATCH = 256
 
 def _data(model_name: str, rank: int):
     if model_name == "dhen":
-        from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec
+        from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec
 
         cfg = SyntheticConfig(num_dense=8, num_tables=5, num_embeddings=500, embedding_dim=32, batch_size=BATCH,
                               train_batches=STEPS, eval_batches=4, seed=3)
         return (make_data_spec(cfg), SyntheticRecDataset(cfg, rank=rank, world_size=WORLD_SIZE),
                 SyntheticRecDataset(cfg, rank=rank, world_size=WORLD_SIZE, split="eval"))
-    from loka_torchrec.training.synthetic_sequences import (
+    from loka_job.training.synthetic_sequences import (
         SyntheticSequenceConfig, SyntheticSequenceDataset, make_sequence_data_spec)
 
     cfg = SyntheticSequenceConfig(num_items=500, max_seq_len=12, batch_size=BATCH, train_batches=STEPS,
@@ -43,12 +43,12 @@ def _build(model_name: str, spec, preset: str):
     torch.manual_seed(0)  # same dense init on every rank (DDP also broadcasts it)
     cpu = torch.device("cpu")
     if model_name == "dhen":
-        from loka_torchrec.models.dhen import DhenConfig, build_dhen
+        from loka_job.models.dhen import DhenConfig, build_dhen
 
         model = build_dhen(DhenConfig.small(), spec, cpu)  # tables on meta: DMP materializes them
         tables = model.embedding_bag_collection
     else:
-        from loka_torchrec.models.hstu import HstuConfig, build_hstu
+        from loka_job.models.hstu import HstuConfig, build_hstu
 
         model = build_hstu(HstuConfig.small(), spec, cpu)
         tables = model.embedding_collection

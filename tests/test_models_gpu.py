@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from loka_torchrec.models.dhen import DhenConfig, build_dhen
-from loka_torchrec.models.hstu import HstuConfig, build_hstu
+from loka_job.models.dhen import DhenConfig, build_dhen
+from loka_job.models.hstu import HstuConfig, build_hstu
 from loka_torchrec.mods import ModsConfig, apply_mods
-from loka_torchrec.training.data_spec import DataSpec, TableSpec
+from loka_job.training.data_spec import DataSpec, TableSpec
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from loka_torchrec.models.hstu import HstuConfig, JaggedLayout, StuLayer, build_hstu, causal_silu_attention
+from loka_job.models.hstu import HstuConfig, JaggedLayout, StuLayer, build_hstu, causal_silu_attention
 from loka_torchrec.mods import BlockNorm, ModsConfig, PaddedLinear, SiblingLinears, apply_mods
-from loka_torchrec.training.data_spec import DataSpec, TableSpec
+from loka_job.training.data_spec import DataSpec, TableSpec
 
 CPU = torch.device("cpu")
 MAX_LEN = 6

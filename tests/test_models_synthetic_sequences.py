@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loka_torchrec.training.synthetic_sequences import (
+from loka_job.training.synthetic_sequences import (
     CANDIDATE_FEATURE,
     HISTORY_FEATURE,
     SequenceTeacher,
@@ -100,7 +100,7 @@ def test_bad_config_names_the_field(kwargs, message):
 
 
 def test_make_rank_data_builds_the_jobs_view_and_names_unknown_options():
-    from loka_torchrec.training.synthetic_sequences import make_rank_data
+    from loka_job.training.synthetic_sequences import make_rank_data
 
     data = make_rank_data({"num_items": 100, "batch_size": 8, "eval_batches": 2, "max_seq_len": 5}, rank=1, world_size=2)
     assert data.spec.feature_names == (HISTORY_FEATURE, CANDIDATE_FEATURE) and data.batch_size == 8

@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from loka_torchrec.training.prefetch import resolve_workers, train_batches
-from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset
-from loka_torchrec.training.synthetic_sequences import SyntheticSequenceConfig, SyntheticSequenceDataset
-from loka_torchrec.training.trainer import TrainConfig
+from loka_job.training.prefetch import resolve_workers, train_batches
+from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset
+from loka_job.training.synthetic_sequences import SyntheticSequenceConfig, SyntheticSequenceDataset
+from loka_job.training.trainer import TrainConfig
 
 
 def _same_batch(a, b) -> bool:

@@ -63,7 +63,7 @@ def test_only_a_window_of_steps_and_bad_arguments():
 
 
 def test_the_printed_run_summary_reports_the_layer_check_and_the_probe_cost():
-    from loka_torchrec.train import format_summary
+    from loka_job.train import format_summary
 
     config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=50)
     summary = {

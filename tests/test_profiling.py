@@ -1,4 +1,4 @@
-"""``loka_torchrec.training.profiling``: kernel categories, the Amdahl ceiling, and a profiled training job."""
+"""``loka_job.training.profiling``: kernel categories, the Amdahl ceiling, and a profiled training job."""
 
 import glob
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from loka_torchrec.training.profiling import (
+from loka_job.training.profiling import (
     CATEGORIES,
     ProfiledEvent,
     StepProfiler,
@@ -20,7 +20,7 @@ from loka_torchrec.training.profiling import (
     profile_summary,
     summarize_events,
 )
-from loka_torchrec.training.trainer import TrainConfig
+from loka_job.training.trainer import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +158,7 @@ def test_event_filters_keep_work_and_drop_annotations():
 
     from torch.autograd import DeviceType
 
-    from loka_torchrec.training.profiling import _cpu_operators, _device_kernels
+    from loka_job.training.profiling import _cpu_operators, _device_kernels
 
     def event(name, device, activity, annotation=False, start=0.0, end=10.0, self_us=4.0):
         return SimpleNamespace(name=name, device_type=device, activity_type=activity, is_user_annotation=annotation,
@@ -240,7 +240,7 @@ def test_training_job_writes_its_profile(tmp_path):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
         env.pop(var, None)
     cmd = [
-        sys.executable, "-m", "loka_torchrec.train", "device=cpu", "data.num_tables=4", "data.num_embeddings=1000",
+        sys.executable, "-m", "loka_job.train", "device=cpu", "data.num_tables=4", "data.num_embeddings=1000",
         "data.embedding_dim=32", "model.dense_arch_layer_sizes=[64,32]", "model.over_arch_layer_sizes=[64,32,1]",
         "data.batch_size=128", "data.eval_batches=2", "train.progress_bar=false", "train.log_every=2",
         "train.steps=6", "train.profile_start=3", "train.profile_steps=2", "loka.dispatch.mode=all:scaled_mm:rowwise",

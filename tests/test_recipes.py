@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from loka_torchrec.config import from_mapping
-from loka_torchrec.models import MODEL_NAMES, build_model
+from loka_job.models import MODEL_NAMES, build_model
 
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "model")
 RECIPES = sorted(f[: -len(".yaml")] for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
@@ -17,12 +17,12 @@ META = torch.device("meta")
 
 
 def compose(*overrides):
-    """The resolved recipe as a plain dict, exactly as ``python -m loka_torchrec.train`` composes it."""
+    """The resolved recipe as a plain dict, exactly as ``python -m loka_job.train`` composes it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    with initialize_config_module("loka_torchrec.recipes", version_base=None):
+    with initialize_config_module("loka_job.recipes", version_base=None):
         cfg = hydra_compose("config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -32,10 +32,10 @@ def data_spec(data):
     options = dict(data)
     kind = options.pop("kind")
     if kind == "pooled":
-        from loka_torchrec.training.synthetic import SyntheticConfig, make_data_spec
+        from loka_job.training.synthetic import SyntheticConfig, make_data_spec
 
         return make_data_spec(from_mapping(SyntheticConfig, options, field="data"))
-    from loka_torchrec.training.synthetic_sequences import SyntheticSequenceConfig, make_sequence_data_spec
+    from loka_job.training.synthetic_sequences import SyntheticSequenceConfig, make_sequence_data_spec
 
     return make_sequence_data_spec(from_mapping(SyntheticSequenceConfig, options, field="data"))
 
@@ -84,8 +84,8 @@ def test_the_command_line_wins_over_a_recipe():
 )
 def test_dhen_and_hstu_recipes_are_the_config_presets(recipe, preset):
     """The yaml files spell out every field (so `model.x=...` needs no `+`); they must not drift."""
-    from loka_torchrec.models.dhen import DhenConfig
-    from loka_torchrec.models.hstu import HstuConfig
+    from loka_job.models.dhen import DhenConfig
+    from loka_job.models.hstu import HstuConfig
 
     cls = DhenConfig if recipe.startswith("dhen") else HstuConfig
     options = dict(compose(f"model={recipe}")["model"])
@@ -163,7 +163,7 @@ def test_bad_model_options_are_one_clear_error(overrides, message):
 
 
 def test_switching_only_data_kind_says_how_to_switch():
-    from loka_torchrec.training.data import make_data
+    from loka_job.training.data import make_data
 
     data = compose("model=dlrm", "data.kind=sequence")["data"]
     with pytest.raises(ValueError, match=r"data: unknown option\(s\) \['num_embeddings'.*`data=sequence`"):

@@ -7,7 +7,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from loka_torchrec.training.synthetic import (
+from loka_job.training.synthetic import (
     _CALIBRATION_SAMPLES,
     SyntheticConfig,
     SyntheticRecDataset,

@@ -29,7 +29,7 @@ SMALL = [
 def launch(run_dir, *overrides, nproc=2, expect_ok=True, base=SMALL):
     """torchrun the real entry point with ``base`` (the small DLRM overrides by default) + ``overrides``."""
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "loka_torchrec.train", *base, *overrides]
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "loka_job.train", *base, *overrides]
     # Not from the repository root: there `-m` would import the source tree's loka_torchrec, which
     # lacks the kernels/recipes subpackages that an install (editable here, a copy on a GPU machine) maps in.
     os.makedirs(run_dir, exist_ok=True)
@@ -84,7 +84,7 @@ def test_resume_continues_step_counter_and_metrics(tmp_path):
 def test_single_process_without_torchrun(tmp_path):
     env = dict(os.environ, LOKA_RUN_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("MASTER_ADDR", None)
-    cmd = [sys.executable, "-m", "loka_torchrec.train", *SMALL, "train.steps=10", "loka.enabled=false"]
+    cmd = [sys.executable, "-m", "loka_job.train", *SMALL, "train.steps=10", "loka.enabled=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LoKA             off" in proc.stdout
@@ -174,7 +174,7 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
 )
 def test_bad_input_is_one_clear_error(tmp_path, override, message):
     env = dict(os.environ, LOKA_RUN_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "loka_torchrec.train", *SMALL, "train.steps=2", override]
+    cmd = [sys.executable, "-m", "loka_job.train", *SMALL, "train.steps=2", override]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
@@ -191,6 +191,6 @@ def test_deterministic_runs_repeat_exactly_and_say_so(tmp_path):
     for other in summaries[1:]:
         assert other["eval_ne"] == summaries[0]["eval_ne"] and other["train_ne"] == summaries[0]["train_ne"]
     with pytest.raises(ValueError, match="train.deterministic"):
-        from loka_torchrec.training.trainer import TrainConfig
+        from loka_job.training.trainer import TrainConfig
 
         TrainConfig(deterministic="yes")

@@ -19,19 +19,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loka_torchrec.baselines import BaselineConfig
+from loka_job.baselines import BaselineConfig
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
-from loka_torchrec.training.checkpoint import resume_checkpoint, save_checkpoint
-from loka_torchrec.training.distributed import DistContext
-from loka_torchrec.training.nonfinite import NonFiniteSteps
-from loka_torchrec.training.profiling import StepProfiler, profile_summary
+from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint
+from loka_job.training.distributed import DistContext
+from loka_job.training.nonfinite import NonFiniteSteps
+from loka_job.training.profiling import StepProfiler, profile_summary
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_vs_loka", "step_time_stats"]
 
-logger = logging.getLogger("loka_torchrec.train")
+logger = logging.getLogger("loka_job.train")
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16}  # train.autocast -> torch.autocast dtype
 
@@ -95,23 +95,23 @@ class TrainConfig:
         profile_start, profile_steps: profile steps ``profile_start .. profile_start +
             profile_steps - 1`` (numbered from 1, as the logs count) with ``torch.profiler`` and
             write where their time went, by kernel category, to ``rank<r>/profile.json``
-            (:mod:`loka_torchrec.training.profiling`); 0: off. Profiled steps run slower, so they
+            (:mod:`loka_job.training.profiling`); 0: off. Profiled steps run slower, so they
             are left out of the step-time statistics and the step-time guard.
         profile_trace: with profiling, also write the Chrome trace ``rank<r>/profile_trace.json``
             (large).
         sharding_group_size: ``None``: plain ``DistributedModelParallel`` (tables sharded over all
             ranks). An int: TorchRec's ``DMPCollection`` (2D sparse parallelism, CUDA only): tables
             sharded over groups of this many ranks, replicated across the ``world_size //
-            sharding_group_size`` groups (:func:`loka_torchrec.training.sharding.shard_model`).
+            sharding_group_size`` groups (:func:`loka_job.training.sharding.shard_model`).
         sync_every: with ``sharding_group_size``, average the embedding replicas (weights and
             the fused optimizer's state, ``DMPCollection.sync``) every this many steps; the train
             pipeline does it after the backward, where the fused optimizer has already updated
             the tables. Above 1 the replicas drift apart in between (less all-reduce traffic), and
             they are synced before each evaluation.
         data_workers: worker processes that make train batches ahead of the loop
-            (:mod:`loka_torchrec.training.prefetch`; batches come in the same order as without
+            (:mod:`loka_job.training.prefetch`; batches come in the same order as without
             them, in pinned memory on CUDA). ``None``: 0 on a CPU, on CUDA half of the rank's
-            share of the host's cores, 2 to 8 (:func:`~loka_torchrec.training.prefetch.resolve_workers`);
+            share of the host's cores, 2 to 8 (:func:`~loka_job.training.prefetch.resolve_workers`);
             0 makes each batch in the loop, where its time lands in the step.
         step_sync: ``torch.cuda.synchronize`` at the end of every step, so that each step's time
             holds exactly its own GPU work. It also stops the host from queueing the next step
@@ -134,7 +134,7 @@ class TrainConfig:
         max_nonfinite_steps: a step whose loss is inf or NaN (on any rank) is skipped, neither its
             backward nor its optimizer step runs, and counted (``nonfinite_steps`` in the summary);
             this many consecutive ones stop the run with
-            :class:`~loka_torchrec.training.nonfinite.NonFiniteLossError` (a non-zero exit naming
+            :class:`~loka_job.training.nonfinite.NonFiniteLossError` (a non-zero exit naming
             the step, the safety valve's first layer and the last good checkpoint).
     """
 
@@ -265,10 +265,10 @@ class Trainer:
         run_dir: the run's output folder (same on every rank).
         batch_size: per-rank batch size (for QPS and the planner).
         baseline_config: another library's FP8 training on the dense layers
-            (:mod:`loka_torchrec.baselines`); only with ``loka_config.enabled=False``.
+            (:mod:`loka_job.baselines`); only with ``loka_config.enabled=False``.
         teacher_ne: the best NE reachable on the eval split (reported next to the run's own), if known.
         train_split: the train split with random access by batch index, for ``train.data_workers``
-            (:class:`~loka_torchrec.training.prefetch.RandomAccessSplit`); ``None``: batches come
+            (:class:`~loka_job.training.prefetch.RandomAccessSplit`); ``None``: batches come
             from ``train_data``, made in the loop.
     """
 
@@ -291,8 +291,8 @@ class Trainer:
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-        from loka_torchrec.training.metrics import BinaryClassificationMetrics
-        from loka_torchrec.training.sharding import SYNC_INTERVAL_ARG, default_sharders, shard_model
+        from loka_job.training.metrics import BinaryClassificationMetrics
+        from loka_job.training.sharding import SYNC_INTERVAL_ARG, default_sharders, shard_model
 
         self.ctx, self.cfg, self.loka_cfg, self.run_dir = ctx, train_config, loka_config, run_dir
         self.batch_size = batch_size
@@ -314,7 +314,7 @@ class Trainer:
         # 1b. Or a baseline: another library's FP8 on the dense layers, same place in the set-up.
         self.baseline = None
         if baseline_config.kind != "none":
-            from loka_torchrec.baselines import apply_baseline
+            from loka_job.baselines import apply_baseline
 
             self.baseline = apply_baseline(model, baseline_config)
             if ctx.is_main:
@@ -518,8 +518,8 @@ class Trainer:
         return summary
 
     def _skipped_nonfinite(self, step: int) -> bool:
-        """Whether ``step`` was skipped for a non-finite loss (:mod:`~loka_torchrec.training.nonfinite`);
-        raises :class:`~loka_torchrec.training.nonfinite.NonFiniteLossError` once too many were in a row."""
+        """Whether ``step`` was skipped for a non-finite loss (:mod:`~loka_job.training.nonfinite`);
+        raises :class:`~loka_job.training.nonfinite.NonFiniteLossError` once too many were in a row."""
         if not self.nonfinite.after_step(step):
             return False
         logger.warning("step %d: the loss is not finite; the step is skipped (%d in a row, stop at %d)",
@@ -537,7 +537,7 @@ class Trainer:
     def _train_batches(self):
         """This rank's train batches from the resumed step on, made by ``train.data_workers``
         loader processes where the data has random access (else in the loop)."""
-        from loka_torchrec.training.prefetch import resolve_workers, train_batches
+        from loka_job.training.prefetch import resolve_workers, train_batches
 
         workers = resolve_workers(self.cfg.data_workers, self.ctx.device, local_world_size=self.ctx.local_world_size)
         self._data_workers = workers if self.train_split is not None else 0

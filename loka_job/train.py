@@ -1,13 +1,13 @@
-"""``python -m loka_torchrec.train``: the Hydra + torchrun training job.
+"""``python -m loka_job.train``: the Hydra + torchrun training job.
 
 Examples::
 
     # 2 CPU ranks, synthetic data, the default recipe (TorchRec DLRM, LoKA on)
-    torchrun --nproc_per_node=2 -m loka_torchrec.train
+    torchrun --nproc_per_node=2 -m loka_job.train
     # 8 GPUs, a large DHEN-style model
-    torchrun --nproc_per_node=8 -m loka_torchrec.train model=dhen_large device=cuda
+    torchrun --nproc_per_node=8 -m loka_job.train model=dhen_large device=cuda
     # the same job without LoKA
-    torchrun --nproc_per_node=2 -m loka_torchrec.train loka.enabled=false
+    torchrun --nproc_per_node=2 -m loka_job.train loka.enabled=false
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Dict
 
 __all__ = ["main", "run"]
 
-logger = logging.getLogger("loka_torchrec.train")
+logger = logging.getLogger("loka_job.train")
 
 
 def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
@@ -27,13 +27,13 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from loka_torchrec.baselines import BaselineConfig
+    from loka_job.baselines import BaselineConfig
     from loka_torchrec.config import LokaConfig
-    from loka_torchrec.models import build_model
-    from loka_torchrec.training.data import make_data
-    from loka_torchrec.training.distributed import init_distributed
-    from loka_torchrec.training.sharding import check_sharding_group_size
-    from loka_torchrec.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka, enable_determinism
+    from loka_job.models import build_model
+    from loka_job.training.data import make_data
+    from loka_job.training.distributed import init_distributed
+    from loka_job.training.sharding import check_sharding_group_size
+    from loka_job.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka, enable_determinism
 
     # Validate everything the user typed before any process-group work.
     model_cfg = dict(cfg.get("model") or {})
@@ -199,7 +199,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    @hydra.main(config_path="pkg://loka_torchrec.recipes", config_name="config", version_base=None)
+    @hydra.main(config_path="pkg://loka_job.recipes", config_name="config", version_base=None)
     def _app(cfg) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         run(resolved, HydraConfig.get().runtime.output_dir)

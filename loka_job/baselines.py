@@ -15,7 +15,7 @@
   :meth:`BaselineReport.forward_context` (``te.autocast`` / ``te.fp8_autocast`` with the recipe:
   ``delayed`` = ``DelayedScaling``, ``tensorwise`` = ``Float8CurrentScaling``, ``blockwise`` =
   ``Float8BlockScaling``, ``mxfp8`` = ``MXFP8BlockScaling``). The training job's
-  :class:`~loka_torchrec.training.trainer.Trainer` does this for every forward.
+  :class:`~loka_job.training.trainer.Trainer` does this for every forward.
 
 Both need FP8 GEMMs with ``K`` and ``N`` multiples of 16: layers whose ``in_features`` or
 ``out_features`` is not are left as they are and listed in the report with the reason (as are

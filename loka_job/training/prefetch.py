@@ -82,7 +82,7 @@ def train_batches(
 
     Example::
 
-        >>> from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset
+        >>> from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset
         >>> split = SyntheticRecDataset(SyntheticConfig(num_tables=2, batch_size=4), rank=0, world_size=1)
         >>> it = train_batches(split, 5, workers=2)
         >>> bool(torch.equal(next(it).labels, split.batch(5).labels))

@@ -38,7 +38,7 @@ from torch import nn
 
 from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
-from loka_torchrec.training.data_spec import DataSpec
+from loka_job.training.data_spec import DataSpec
 
 __all__ = ["INTERACTIONS", "ENSEMBLES", "DhenConfig", "DhenLayer", "DhenOverArch", "Dhen", "build_dhen", "token_split"]
 
@@ -434,7 +434,7 @@ def build_dhen(
     Example::
 
         >>> from torchrec import KeyedJaggedTensor
-        >>> from loka_torchrec.training.data_spec import TableSpec
+        >>> from loka_job.training.data_spec import TableSpec
         >>> spec = DataSpec(num_dense=3, tables=tuple(TableSpec(f"t{i}", f"f{i}", 10, 32) for i in range(3)))
         >>> model = build_dhen(DhenConfig.small(), spec, torch.device("cpu"), embedding_device=torch.device("cpu"))
         >>> kjt = KeyedJaggedTensor.from_lengths_sync(  # f0: [1], [2];  f1: [3], [];  f2: [], [4, 5]

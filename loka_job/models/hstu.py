@@ -44,7 +44,7 @@ from torch import nn
 
 from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
-from loka_torchrec.training.data_spec import DataSpec, TableSpec
+from loka_job.training.data_spec import DataSpec, TableSpec
 
 __all__ = ["HstuConfig", "JaggedLayout", "causal_silu_attention", "StuLayer", "HstuOverArch", "Hstu", "build_hstu"]
 
@@ -457,7 +457,7 @@ def build_hstu(
     Example::
 
         >>> from torchrec import KeyedJaggedTensor
-        >>> from loka_torchrec.training.data_spec import TableSpec
+        >>> from loka_job.training.data_spec import TableSpec
         >>> spec = DataSpec(num_dense=2, tables=(
         ...     TableSpec("t_item", "hist_item", 50, 32, pooling_factor=6, sequence=True),
         ...     TableSpec("t_item", "cand_item", 50, 32, pooling_factor=1, sequence=True)))

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable, Dict, Iterator, Optional
 
 from loka_torchrec.config import from_mapping
-from loka_torchrec.training.data_spec import DataSpec
+from loka_job.training.data_spec import DataSpec
 
 __all__ = ["RankData", "make_data", "rank_data"]
 
@@ -22,7 +22,7 @@ class RankData:
         batch_size: per-rank batch size.
         teacher_ne: the best NE any model can reach on the eval split (``None`` if unknown).
         train_split: the train split itself, with random access by batch index, for loader
-            workers (:func:`loka_torchrec.training.prefetch.train_batches`); ``None`` if it has none.
+            workers (:func:`loka_job.training.prefetch.train_batches`); ``None`` if it has none.
     """
 
     spec: DataSpec
@@ -55,14 +55,14 @@ def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int)
     if kind in ("pooled", "sequence"):
         _check_fields(kind, options)
     if kind == "pooled":
-        from loka_torchrec.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
+        from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
 
         config = from_mapping(SyntheticConfig, options, field="data")
         return rank_data(
             config, SyntheticRecDataset, make_data_spec(config), teacher_ne(config, max_batches=4), rank=rank, world_size=world_size
         )
     if kind == "sequence":
-        from loka_torchrec.training import synthetic_sequences as seq
+        from loka_job.training import synthetic_sequences as seq
 
         return seq.make_rank_data(options, rank=rank, world_size=world_size)
     raise ValueError(f"data.kind: expected 'pooled' or 'sequence', got {kind!r}")
@@ -76,9 +76,9 @@ def _check_fields(kind: str, options: Dict[str, Any]) -> None:
     ``recipes/data/sequence.yaml`` instead (and ``model=hstu`` does that by itself).
     """
     if kind == "pooled":
-        from loka_torchrec.training.synthetic import SyntheticConfig as cls
+        from loka_job.training.synthetic import SyntheticConfig as cls
     else:
-        from loka_torchrec.training.synthetic_sequences import SyntheticSequenceConfig as cls
+        from loka_job.training.synthetic_sequences import SyntheticSequenceConfig as cls
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - known)
     if unknown:

@@ -37,7 +37,7 @@ from loka_torchrec.atomic_files import atomic_file, remove_stale_temporaries, wr
 
 __all__ = ["CheckpointError", "save_checkpoint", "resume_checkpoint", "checkpoint_problem", "list_checkpoints"]
 
-logger = logging.getLogger("loka_torchrec.train")
+logger = logging.getLogger("loka_job.train")
 
 META = "meta.json"
 FORMAT = 2  # 1: no per-file size and checksum (still loaded, checked as far as it goes)

@@ -23,7 +23,7 @@ instead, each by its *self* time, so that the code path runs (and is tested) wit
 CPU the GEMMs are fp32, and the quantization of the CPU backends runs as eager torch ops, which
 land in ``other``.
 
-Example (what :class:`~loka_torchrec.training.trainer.Trainer` does with
+Example (what :class:`~loka_job.training.trainer.Trainer` does with
 ``train.profile_start=100 train.profile_steps=5``)::
 
     profiler = StepProfiler(100, 5, device=device, out_dir="run/rank0")
@@ -60,7 +60,7 @@ __all__ = [
     "summarize_events",
 ]
 
-logger = logging.getLogger("loka_torchrec.train")
+logger = logging.getLogger("loka_job.train")
 
 CATEGORIES = ("gemm_bf16", "gemm_fp8", "fp8_quantize", "attention", "embedding", "comms", "memcpy_memset", "other")
 GEMM_CATEGORIES = ("gemm_bf16", "gemm_fp8")  # the dense GEMMs: what FP8 can make faster

@@ -18,7 +18,7 @@ the mean click probability is ``positive_rate``. The label is a Bernoulli draw o
 ``sigmoid(logit)``. A student that learns which items go together (its own item embeddings) and
 that recent items matter more can approach the teacher's NE (:func:`sequence_teacher_ne`), not beat it.
 
-Layout and determinism follow :mod:`loka_torchrec.training.synthetic`: chunk ``c`` of a split is
+Layout and determinism follow :mod:`loka_job.training.synthetic`: chunk ``c`` of a split is
 a pure function of ``(seed, split, c)``; rank ``r`` of ``world_size`` reads chunks ``r, r +
 world_size, ...``; the eval split (held out: its own seed stream) is ``eval_batches`` chunks in
 total, ``eval_batches // world_size`` per rank.
@@ -34,8 +34,8 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from loka_torchrec.training.data_spec import DataSpec, TableSpec
-from loka_torchrec.training.synthetic import (  # seed mixing and rank sharding, shared on purpose
+from loka_job.training.data_spec import DataSpec, TableSpec
+from loka_job.training.synthetic import (  # seed mixing and rank sharding, shared on purpose
     RankShardedSplit,
     _generator,
     _is_int,
@@ -183,7 +183,7 @@ def make_sequence_data_spec(config: SyntheticSequenceConfig) -> DataSpec:
 
 
 class SequenceTeacher:
-    """The fixed random scorer of :mod:`this module <loka_torchrec.training.synthetic_sequences>`.
+    """The fixed random scorer of :mod:`this module <loka_job.training.synthetic_sequences>`.
 
     Args:
         config: the data (items, clusters, widths, seed, calibration targets).
@@ -378,7 +378,7 @@ def sequence_teacher_ne(config: SyntheticSequenceConfig, *, max_batches: Optiona
         >>> 0.0 < ne < 1.0
         True
     """
-    from loka_torchrec.training.metrics import normalized_entropy
+    from loka_job.training.metrics import normalized_entropy
 
     data = SyntheticSequenceDataset(config, rank=0, world_size=1, split="eval")
     count = len(data) if max_batches is None else min(len(data), max_batches)
@@ -392,7 +392,7 @@ def sequence_teacher_ne(config: SyntheticSequenceConfig, *, max_batches: Optiona
 
 
 def make_rank_data(options: Mapping[str, Any], *, rank: int, world_size: int):
-    """The ``data:`` section with ``kind: sequence`` -> this rank's :class:`~loka_torchrec.training.data.RankData`.
+    """The ``data:`` section with ``kind: sequence`` -> this rank's :class:`~loka_job.training.data.RankData`.
 
     Args:
         options: :class:`SyntheticSequenceConfig` fields (unknown ones raise a ``ValueError``
@@ -406,7 +406,7 @@ def make_rank_data(options: Mapping[str, Any], *, rank: int, world_size: int):
         (('hist_item', 'cand_item'), 8, torch.Size([8]))
     """
     from loka_torchrec.config import from_mapping  # the job's helpers; imported here, not at module load
-    from loka_torchrec.training.data import rank_data
+    from loka_job.training.data import rank_data
 
     config = from_mapping(SyntheticSequenceConfig, options, field="data")
     return rank_data(

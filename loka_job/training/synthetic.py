@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from loka_torchrec.training.data_spec import DataSpec, TableSpec
+from loka_job.training.data_spec import DataSpec, TableSpec
 
 __all__ = [
     "SyntheticConfig",
@@ -655,7 +655,7 @@ def teacher_ne(config: SyntheticConfig, *, max_batches: Optional[int] = None) ->
         >>> 0.0 < ne < 1.0
         True
     """
-    from loka_torchrec.training.metrics import normalized_entropy  # metrics does not import this module
+    from loka_job.training.metrics import normalized_entropy  # metrics does not import this module
 
     data = SyntheticRecDataset(config, rank=0, world_size=1, split="eval")
     count = len(data) if max_batches is None else min(len(data), max_batches)

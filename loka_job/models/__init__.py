@@ -2,7 +2,7 @@
 
 Every model maps ``(dense_features (B, num_dense), sparse_features KeyedJaggedTensor)`` to click
 logits of shape ``(B,)``. Builders take the model's section of the recipe (a plain dict), the
-:class:`~loka_torchrec.training.data_spec.DataSpec` and the dense device; embedding tables are
+:class:`~loka_job.training.data_spec.DataSpec` and the dense device; embedding tables are
 built on ``meta`` and materialized by ``DistributedModelParallel``.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List
 import torch
 from torch import nn
 
-from loka_torchrec.training.data_spec import DataSpec
+from loka_job.training.data_spec import DataSpec
 
 __all__ = ["MODEL_NAMES", "build_model", "register_model"]
 
@@ -157,26 +157,26 @@ def _model_embedding_dim(options: Dict[str, Any], tables, model: str, kind: str)
 
 @register_model("dhen")
 def build_dhen_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
-    """The DHEN-style model (:mod:`loka_torchrec.models.dhen`) on pooled data.
+    """The DHEN-style model (:mod:`loka_job.models.dhen`) on pooled data.
 
-    ``options`` are :class:`~loka_torchrec.models.dhen.DhenConfig` fields (plus an optional
+    ``options`` are :class:`~loka_job.models.dhen.DhenConfig` fields (plus an optional
     ``preset``: ``small``/``large``/``xl`` for the fields not given); ``embedding_dim`` defaults to, and
     must equal, ``data.embedding_dim``. Needs ``data.kind=pooled``.
     """
-    from loka_torchrec.models.dhen import DhenConfig, build_dhen
+    from loka_job.models.dhen import DhenConfig, build_dhen
 
     return _build_from_config(options, spec, device, "dhen", "pooled", "pooled sparse features", DhenConfig, build_dhen)
 
 
 @register_model("hstu")
 def build_hstu_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
-    """The HSTU-style model (:mod:`loka_torchrec.models.hstu`) on sequence data.
+    """The HSTU-style model (:mod:`loka_job.models.hstu`) on sequence data.
 
-    ``options`` are :class:`~loka_torchrec.models.hstu.HstuConfig` fields (plus an optional
+    ``options`` are :class:`~loka_job.models.hstu.HstuConfig` fields (plus an optional
     ``preset``); ``embedding_dim`` defaults to, and must equal, ``data.embedding_dim``. Needs
     ``data.kind=sequence``; the longest history (``data.max_seq_len``) sets the attention length.
     """
-    from loka_torchrec.models.hstu import HstuConfig, build_hstu
+    from loka_job.models.hstu import HstuConfig, build_hstu
 
     return _build_from_config(options, spec, device, "hstu", "sequence", "sequence data", HstuConfig, build_hstu)
 
