@@ -7,8 +7,8 @@
   ``Float8LinearConfig.from_recipe_name(recipe)`` (``tensorwise``, ``rowwise``,
   ``rowwise_with_gw_hp``) and ``pad_inner_dim=True`` (so the grad-weight GEMM, whose reduction
   dim is the row count, also runs on jagged row counts); optionally torchao's own size filter
-  (``torchao.float8._auto_filter_for_recipe``, its H100 thresholds). No ``torch.compile``: the
-  job runs eagerly, so torchao's casts are not fused (torchao recommends compiling).
+  (``torchao.float8._auto_filter_for_recipe``, its H100 thresholds). Compiled with the job's
+  ``train.compile`` (torchao's casts then fuse, as torchao recommends); eager with ``none``.
 * ``te``: each layer becomes a ``transformer_engine.pytorch.Linear`` with the same weights
   (wrapped so that any row count works: rows are zero-padded to a multiple of 16, which changes
   neither the result nor any amax), and the model's forward must run inside

@@ -37,15 +37,13 @@ class ProbeConfig:
             0.25%). After each monitoring step its extra wall time over a plain step is measured,
             and the next one waits ``ceil(extra / (monitor_budget * plain_step))`` steps, at
             least ``every_after`` and at most ``every_after_max``; all ranks take the largest
-            wait. 0 keeps the fixed ``every_after`` cadence. (A DHEN-large monitoring step cost
-            136 ms over 19.7 ms steps on an H100: every 2762 steps at the default.)
+            wait. 0 keeps the fixed ``every_after`` cadence.
         every_after_max: longest interval (steps) between two monitoring steps.
         samples: K, the number of Gaussian draws per layer, role and candidate. ``None``
             resolves to 8: the per-draw MERE of an LRM-sized GEMM varies by a few percent, so 8
             draws give a t-interval within a few percent of the mean. Every draw costs a
-            high-precision reference GEMM and, per candidate, a quantized one: the planning
-            step's error measurement is host-bound by those launches (DHEN large on an H100:
-            6.3 s of a 10 s planning step with 16 draws).
+            high-precision reference GEMM and, per candidate, a quantized one, so the planning
+            step's error measurement grows with the draws.
         max_cov_dim: full covariance is kept for at most this many features of a tensor; a
             wider tensor keeps full covariance on a fixed random subset of ``max_cov_dim``
             features plus the variance of every feature (see ``docs/probe.md``). The weight

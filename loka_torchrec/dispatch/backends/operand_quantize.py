@@ -4,9 +4,9 @@ On a CUDA GPU of compute capability 8.9 or newer with Triton importable, an oper
 the project's fused kernel (:mod:`loka_torchrec.kernels.fp8_quantize`: amax, scale and cast in one
 or two passes over the input, about the time of a device-to-device copy). Everywhere else it is
 quantized with eager torch ops (:func:`loka_torchrec.fp8.quantize`), which read the input several
-times: on an H100 that costs 10x to 20x a copy, enough to turn every LRM-sized FP8 GEMM into a loss
-(see ``benchmarks/results/``). Both compute the same scales and codes (the kernel's reference *is*
-the eager call; the GPU tests check it).
+times. Both compute the same scales and codes (the kernel's reference *is* the eager call; the GPU
+tests check it). Under ``torch.compile`` ``LokaLinear`` uses neither: its quantization is the
+eager torch ops, traced, which Inductor fuses into one kernel with the producing op.
 
 Set ``LOKA_EAGER_QUANTIZE=1`` to force the eager path on the GPU too (for comparisons and debugging).
 """

@@ -33,8 +33,8 @@ class TritonBackend(GemmBackend):
     recipes = ("tensorwise", "rowwise")
     devices = ("cuda",)
     fused_quantize = True
-    # Its GEMM is slower than cuBLAS (scaled_mm) at every LRM shape measured on an H100
-    # (benchmarks/results/H100/): evaluating it only costs the Probe compile and timing time.
+    # Not offered by `auto`: where measured, its GEMM was slower than cuBLAS's (scaled_mm) at LRM
+    # shapes, so evaluating it would only cost the Probe compile and timing time. Name it to use it.
     in_auto = False
 
     def _probe(self, device: torch.device) -> Availability:
