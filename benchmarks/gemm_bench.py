@@ -45,14 +45,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from loka_torchrec.dispatch.backends import backend_names, get_backend
-from loka_torchrec.dispatch.recipes import recipe_for
+from loka_torchrec.gemm.backends import backend_names, get_backend
+from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import relative_frobenius
 from loka_torchrec.atomic_files import write_text_atomic
 
 for _module in ("fbgemm", "transformer_engine", "triton"):  # registers the GPU backends (they import lazily)
-    importlib.import_module(f"loka_torchrec.dispatch.backends.{_module}")
+    importlib.import_module(f"loka_torchrec.gemm.backends.{_module}")
 
 # measurements.md section 1: (M, K, N) of y = x W^T with x (M, K), W (N, K).
 LRM_SHAPES = [

@@ -79,13 +79,13 @@ def python_profile(fn: Callable[[], object], reps: int, rows: int = 25) -> str:
 
 
 def case_linear(device: torch.device, shape, choices: List[str], reps: int, graphs: bool = False) -> None:
-    from loka_torchrec.dispatch.backends import get_backend
+    from loka_torchrec.gemm.backends import get_backend
     from loka_torchrec.dispatch.layer_kernels import LayerKernels
     from loka_torchrec.dispatch.linear import LokaLinear
     from loka_torchrec.evidence import KernelChoice
 
     for module in ("fbgemm", "transformer_engine", "triton"):
-        __import__(f"loka_torchrec.dispatch.backends.{module}")
+        __import__(f"loka_torchrec.gemm.backends.{module}")
     m, k, n = shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     linear = nn.Linear(k, n, bias=False, device=device, dtype=dtype)

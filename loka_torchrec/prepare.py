@@ -63,9 +63,9 @@ class Loka:
     def sharders(self) -> list:
         """Sharders for ``DistributedModelParallel``: TorchRec's embedding sharders with LoKA's comm
         codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32)."""
-        from loka_torchrec import comms
+        from loka_torchrec.comms.sharders import sharders
 
-        return comms.sharders(self.config.comms)
+        return sharders(self.config.comms)
 
     def start(self) -> None:
         """Check that every rank runs the same plan and write the initial plan file. Called by the

@@ -81,9 +81,9 @@ for name in ("triton", "pytest", "torchrec", "fbgemm_gpu", "fbgemm_gpu.experimen
         print(f"{name}: {getattr(module, '__version__', 'ok')}")
     except Exception as exc:
         print(f"{name}: NOT AVAILABLE ({type(exc).__name__}: {exc})")
-import loka_torchrec.dispatch.backends as backends
+import loka_torchrec.gemm.backends as backends
 for module in ("fbgemm", "transformer_engine", "triton"):
-    importlib.import_module(f"loka_torchrec.dispatch.backends.{module}")
+    importlib.import_module(f"loka_torchrec.gemm.backends.{module}")
 for name in backends.backend_names():
     print(f"backend {name}: {backends.get_backend(name).availability('cuda')}")
 try:

@@ -11,8 +11,8 @@ from torch import nn
 
 import loka_torchrec
 from loka_torchrec.dispatch import DispatchConfig, DispatchPlan, LayerKernels
-from loka_torchrec.dispatch.backends import Availability, GemmBackend, register_backend
-from loka_torchrec.dispatch.backends.base import BackendUnavailableError
+from loka_torchrec.gemm.backends import Availability, GemmBackend, register_backend
+from loka_torchrec.gemm.backends.base import BackendUnavailableError
 from loka_torchrec.dispatch.dispatcher import PlanMismatchError
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.evidence import BF16, KernelChoice
@@ -199,7 +199,7 @@ class _CountingBackend(GemmBackend):
 
 def test_start_checks_the_candidate_backends_before_training(monkeypatch):
     # The check imports each library: at start, not in the planning step.
-    from loka_torchrec.dispatch.backends import get_backend
+    from loka_torchrec.gemm.backends import get_backend
 
     monkeypatch.setattr(get_backend("test_counting"), "_availability", {})  # other tests may have checked it
     monkeypatch.setattr(_CountingBackend, "checks", 0)

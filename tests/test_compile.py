@@ -11,9 +11,9 @@ from torch._dynamo.utils import counters
 import loka_torchrec
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.dispatch import DispatchConfig
-from loka_torchrec.dispatch.backends import GemmBackend, get_backend, register_backend
-from loka_torchrec.dispatch.backends.base import BackendUnavailableError
-from loka_torchrec.dispatch.backends.operand_quantize import quantize_operand
+from loka_torchrec.gemm.backends import GemmBackend, get_backend, register_backend
+from loka_torchrec.gemm.backends.base import BackendUnavailableError
+from loka_torchrec.gemm.backends.operand_quantize import quantize_operand
 from loka_torchrec.dispatch.dispatcher import resolve_candidates
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.evidence import GemmRole, KernelChoice

@@ -15,7 +15,8 @@ from scipy import stats
 
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.measure import mean_interval, t_quantile_975, time_ms
+from loka_torchrec.gemm.intervals import mean_interval, t_quantile_975
+from loka_torchrec.gemm.measure import time_ms
 from loka_torchrec.dispatch.plan import PLAN_FORMAT_VERSION, DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.policy import decide, decide_role
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice

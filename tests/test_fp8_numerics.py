@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loka_torchrec.dispatch.backends import backend_names, get_backend
-from loka_torchrec.dispatch.measure import role_operands
-from loka_torchrec.dispatch.recipes import recipe_for
+from loka_torchrec.gemm.backends import backend_names, get_backend
+from loka_torchrec.gemm.measure import role_operands
+from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape
 from loka_torchrec.fp8 import (
     AMAX_EPS,

@@ -15,12 +15,12 @@ import zlib
 import pytest
 import torch
 
-import loka_torchrec.dispatch.backends as backends
-import loka_torchrec.dispatch.backends.fbgemm as fbgemm_module
-import loka_torchrec.dispatch.backends.transformer_engine as te_module
-import loka_torchrec.dispatch.backends.triton as triton_module
-from loka_torchrec.dispatch.backends.base import Availability
-from loka_torchrec.dispatch.recipes import OperandSpec, recipe_for
+import loka_torchrec.gemm.backends as backends
+import loka_torchrec.gemm.backends.fbgemm as fbgemm_module
+import loka_torchrec.gemm.backends.transformer_engine as te_module
+import loka_torchrec.gemm.backends.triton as triton_module
+from loka_torchrec.gemm.backends.base import Availability
+from loka_torchrec.gemm.recipes import OperandSpec, recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, Granularity
 from loka_torchrec.kernels.fp8_gemm import fp8_gemm_error_bound
@@ -228,7 +228,7 @@ def test_loka_linear_forward_and_gradients_within_format_bound(backend_name, rec
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
 def test_scaled_mm_quantizes_with_the_fused_kernel_like_eager_torch(granularity, monkeypatch):
     """On the GPU ``scaled_mm`` quantizes through the Triton kernel; codes and scales equal eager torch's."""
-    from loka_torchrec.dispatch.backends import operand_quantize
+    from loka_torchrec.gemm.backends import operand_quantize
 
     x, _, _ = _layer_tensors(seed=11)
     spec = recipe_for(granularity, GemmRole.FORWARD).a

@@ -46,3 +46,41 @@ def test_no_library_module_names_the_job():
                 path = os.path.join(folder, name)
                 bad = [m for m in _imports(path) if m.split(".")[0] in JOB_ONLY]
                 assert not bad, f"{os.path.relpath(path, ROOT)} imports {bad}"
+
+
+def _units():
+    """Import edges between the library's parts (subpackages and top-level modules), every import
+    counted, also those inside functions."""
+    edges = {}
+    lib = os.path.join(ROOT, "loka_torchrec")
+    for folder, _, files in os.walk(lib):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(folder, name), lib)
+            unit = rel.split(os.sep)[0].removesuffix(".py")
+            for module in _imports(os.path.join(folder, name)):
+                parts = module.split(".")
+                if parts[0] == "loka_torchrec" and len(parts) > 1 and parts[1] != unit:
+                    edges.setdefault(unit, set()).add(parts[1])
+    return edges
+
+
+def test_probe_and_dispatch_meet_only_at_evidence_and_the_parts_form_no_cycle():
+    edges = _units()
+    assert "dispatch" not in edges.get("probe", set()) and "probe" not in edges.get("dispatch", set()), edges
+    seen, stack = set(), []
+
+    def visit(unit):  # depth-first search for a back edge
+        if unit in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(unit):] + [unit])}")
+        if unit in seen:
+            return
+        stack.append(unit)
+        for other in sorted(edges.get(unit, ())):
+            visit(other)
+        stack.pop()
+        seen.add(unit)
+
+    for unit in sorted(edges):
+        visit(unit)

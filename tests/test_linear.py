@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from loka_torchrec.dispatch import linear as linear_module
-from loka_torchrec.dispatch.backends import base as backend_base
-from loka_torchrec.dispatch.backends import get_backend
-from loka_torchrec.dispatch.backends.emulated import EmulatedBackend
+from loka_torchrec.gemm.backends import base as backend_base
+from loka_torchrec.gemm.backends import get_backend
+from loka_torchrec.gemm.backends.emulated import EmulatedBackend
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import LokaLinear, _transpose_fp8
 from loka_torchrec.evidence import BF16, GemmRole, KernelChoice

@@ -10,10 +10,10 @@ from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import choose_error, evaluate_layer
-from loka_torchrec.probe.intervals import iqr_interval, t_interval, t_quantile_975
+from loka_torchrec.gemm.intervals import iqr_interval, t_interval, t_quantile_975
 from loka_torchrec.probe.quantify import CandidateError, LayerSnapshot, quantify_errors, reference_gemm
 from loka_torchrec.probe.reservoir import RowReservoir
-from loka_torchrec.probe.speed import SpeedCache, time_gemm
+from loka_torchrec.gemm.speed import SpeedCache, time_gemm
 from loka_torchrec.probe.statistics import TensorStatistics
 from loka_torchrec.probe.weight_statistics import WeightStatistics
 
@@ -141,8 +141,8 @@ def test_quantify_rejects_bad_arguments():
 
 def test_padded_candidate_equals_the_unpadded_one():
     # On CUDA scaled_mm needs K and N in multiples of 16; the Probe pads as LokaLinear does.
-    from loka_torchrec.dispatch.recipes import recipe_for
-    from loka_torchrec.probe.candidates import CandidateRun, resolve_candidate
+    from loka_torchrec.gemm.recipes import recipe_for
+    from loka_torchrec.gemm.candidates import CandidateRun, resolve_candidate
 
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(24, 20, generator=gen), torch.randn(10, 20, generator=gen)

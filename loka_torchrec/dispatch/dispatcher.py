@@ -22,15 +22,15 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from loka_torchrec.dispatch.backends import get_backend
-from loka_torchrec.dispatch.backends.base import BackendUnavailableError
+from loka_torchrec.gemm.backends import get_backend
+from loka_torchrec.gemm.backends.base import BackendUnavailableError
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.policy import decide
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
-from loka_torchrec.dispatch.recipes import recipe_for
+from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
@@ -55,7 +55,7 @@ def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[Ker
     :class:`BackendUnavailableError` naming it and why, unless ``config.fallback == "bf16"``
     (then it is dropped with a warning).
     """
-    from loka_torchrec.dispatch.backends import backend_names
+    from loka_torchrec.gemm.backends import backend_names
 
     out: List[KernelChoice] = []
     for name in config.candidates:

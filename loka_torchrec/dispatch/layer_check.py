@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -36,6 +35,7 @@ from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, GemmRole, Interval
 from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.gemm.intervals import iqr_interval
 
 __all__ = ["LayerTiming", "time_layer_step", "check_plan_layers"]
 
@@ -57,15 +57,6 @@ class LayerTiming:
     def speedup_low(self) -> float:
         """Conservative speedup: bf16's lower bound over FP8's upper bound."""
         return self.bf16_ms.low / self.fp8_ms.high if self.fp8_ms.high > 0 else float("inf")
-
-
-def _quartiles(times: List[float]) -> Interval:
-    times = sorted(times)
-    median = statistics.median(times)
-    if len(times) < 2:
-        return Interval(median, median, median, len(times), "iqr")
-    q = statistics.quantiles(times, n=4, method="inclusive")
-    return Interval(median, min(q[0], median), max(q[2], median), len(times), "iqr")
 
 
 def time_layer_step(
@@ -154,12 +145,12 @@ def _time_variants(variants, rows, in_features, out_features, device, input_dtyp
     if device_time and cuda:
         replayed = _replayed_step_times(variants, x, dy, autocast_dtype, reps)
         if replayed is not None:
-            return LayerTiming(_quartiles(replayed["fp8"]), _quartiles(replayed["bf16"]))
+            return LayerTiming(iqr_interval(replayed["fp8"]), iqr_interval(replayed["bf16"]))
     times: Dict[str, List[float]] = {"fp8": [], "bf16": []}
     for _ in range(reps):
         for name, layer in variants.items():
             times[name].append(one_step(layer))
-    return LayerTiming(_quartiles(times["fp8"]), _quartiles(times["bf16"]))
+    return LayerTiming(iqr_interval(times["fp8"]), iqr_interval(times["bf16"]))
 
 
 def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional[Dict[str, List[float]]]:
@@ -168,8 +159,8 @@ def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional
 
     Each call makes its own detached aliases of the input and the parameters, so that every
     gradient accumulator the captured backward uses is made inside the capture (see
-    :func:`loka_torchrec.dispatch.measure.graph_replay_ms`)."""
-    from loka_torchrec.dispatch.measure import release_generator
+    :func:`loka_torchrec.gemm.measure.graph_replay_ms`)."""
+    from loka_torchrec.gemm.measure import release_generator
 
     device = x.device
 

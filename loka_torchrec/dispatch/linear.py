@@ -70,10 +70,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from loka_torchrec.dispatch.backends import GemmBackend, get_backend
-from loka_torchrec.dispatch.backends.high_precision import high_precision_dtype
+from loka_torchrec.gemm.backends import GemmBackend, get_backend
+from loka_torchrec.gemm.backends.high_precision import high_precision_dtype
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec, recipe_for
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec, recipe_for
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity, quantize
 

@@ -22,7 +22,8 @@ from typing import Dict, List
 
 import torch
 
-from loka_torchrec.dispatch.measure import error_samples, excluded_note, mean_interval, role_operands, run_role_gemm, time_ms
+from loka_torchrec.gemm.intervals import mean_interval
+from loka_torchrec.gemm.measure import error_samples, excluded_note, role_operands, run_role_gemm, time_ms
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 
@@ -55,7 +56,7 @@ def measure_random_evidence(
         grad_format: FP8 format of gradients in dgrad and wgrad.
         seed: seeds the random inputs.
         device_time: time as CUDA-graph replays (``dispatch.compiled``; see
-            :func:`~loka_torchrec.dispatch.measure.time_ms`).
+            :func:`~loka_torchrec.gemm.measure.time_ms`).
     """
     generator = torch.Generator().manual_seed(seed)
     evidence: List[CandidateEvidence] = []

@@ -23,7 +23,7 @@ from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.merge import all_reduce_statistics
 from loka_torchrec.probe.quantify import quantify_errors
 from loka_torchrec.probe.sampling import GaussianModel
-from loka_torchrec.probe.speed import time_gemm
+from loka_torchrec.gemm.speed import time_gemm
 from loka_torchrec.probe.statistics import TensorStatistics
 from loka_torchrec.probe.weight_statistics import WeightStatistics
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loka_torchrec.dispatch.backends import backend_names, get_backend
+from loka_torchrec.gemm.backends import backend_names, get_backend
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.probe.cadence import MonitorCadence
@@ -58,7 +58,7 @@ from loka_torchrec.probe.layer_state import LayerState, StepDigest
 from loka_torchrec.probe.logs import LOG_VERSION, ProbeLog, write_json_atomic
 from loka_torchrec.probe.merge import all_reduce_statistics, is_distributed, rank_deviation
 from loka_torchrec.probe.quantify import LayerSnapshot
-from loka_torchrec.probe.speed import SpeedCache
+from loka_torchrec.gemm.speed import SpeedCache
 from loka_torchrec.probe.statistics import TensorStatistics
 from loka_torchrec.probe.valve import Trigger, check_shift, describe
 

@@ -11,7 +11,7 @@ import torch
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.quantify import CandidateError, LayerSnapshot, draw_rows, quantify_errors
-from loka_torchrec.probe.speed import SpeedCache
+from loka_torchrec.gemm.speed import SpeedCache
 
 __all__ = ["evaluate_layer", "device_name", "choose_error"]
 

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from loka_torchrec import atomic_files
+import loka_torchrec.atomic_files as atomic_files
 
 __all__ = ["ProbeLog", "write_json_atomic", "read_rank_log", "read_summary", "to_jsonable", "rank_log_paths", "LOG_VERSION"]
 

@@ -26,7 +26,7 @@ rows the layer saw per call, capped). Three measurements are taken for every can
 
 Each draw's output is compared with a high-precision reference of the same operands (float64
 on the CPU, float32 with TF32 off on CUDA) by MERE and SQNR; the draws' mean comes with a
-Student-t 95% interval (:func:`~loka_torchrec.probe.intervals.t_interval`).
+Student-t 95% interval (:func:`~loka_torchrec.gemm.intervals.t_interval`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from loka_torchrec.dispatch.measure import role_operands
+from loka_torchrec.gemm.measure import role_operands
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.fp8.error_metrics import mere_tensor, noise_and_signal, sqnr_from_sums
-from loka_torchrec.probe.candidates import CandidateRun, resolve_candidate
-from loka_torchrec.probe.intervals import t_interval
+from loka_torchrec.gemm.candidates import CandidateRun, resolve_candidate
+from loka_torchrec.gemm.intervals import t_interval
 from loka_torchrec.probe.reservoir import RowReservoir
 from loka_torchrec.probe.sampling import GaussianModel, make_generator
 from loka_torchrec.probe.statistics import TensorStatistics

@@ -10,7 +10,7 @@ both operands plus the multiplication, i.e. what a training step pays for that G
 * CPU: ``time.perf_counter`` around every call (few repetitions: the CPU is a test bed, not a
   target).
 
-The result is the median with the 25th..75th percentiles (:func:`~loka_torchrec.probe.intervals.iqr_interval`).
+The result is the median with the 25th..75th percentiles (:func:`~loka_torchrec.gemm.intervals.iqr_interval`).
 Times of identical ``(candidate, role, shape, dtype, device)`` are cached per :class:`SpeedCache`,
 since many layers of a model share shapes.
 """
@@ -25,8 +25,8 @@ import torch
 
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
-from loka_torchrec.probe.candidates import resolve_candidate
-from loka_torchrec.probe.intervals import iqr_interval
+from loka_torchrec.gemm.candidates import resolve_candidate
+from loka_torchrec.gemm.intervals import iqr_interval
 
 __all__ = ["time_gemm", "SpeedCache", "l2_cache_bytes"]
 
@@ -110,7 +110,7 @@ def time_gemm(
     times = []
     replayed = None
     if device_time and device.type == "cuda":
-        from loka_torchrec.dispatch.measure import graph_replay_ms
+        from loka_torchrec.gemm.measure import graph_replay_ms
 
         calls = [lambda a=a, b=b: run.gemm(a, b, dtype) for a, b in sets]
         replayed = graph_replay_ms(calls, reps=reps, device=device)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from loka_torchrec.dispatch.backends.base import GemmBackend, register_backend
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.backends.base import GemmBackend, register_backend
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.fp8 import Fp8Tensor, quantize
 
 __all__ = ["EmulatedBackend"]

@@ -6,7 +6,7 @@ an optional bias and an activation in its epilogue. Recipes ``tensorwise`` and `
 and E5M2 operands (mixed allowed); any shape (the kernels mask their edges, so there is no
 alignment constraint); CUDA GPUs of compute capability 8.9 and newer.
 
-Besides the :class:`~loka_torchrec.dispatch.backends.base.GemmBackend` interface it offers
+Besides the :class:`~loka_torchrec.gemm.backends.base.GemmBackend` interface it offers
 :meth:`TritonBackend.quantize_with_transpose`, which writes an activation and its transpose (the
 ``B`` operand of the grad-weight GEMM) from one read, and ``bias`` / ``activation`` arguments to
 :meth:`TritonBackend.mm` for a fused epilogue.
@@ -18,8 +18,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from loka_torchrec.dispatch.backends.base import Availability, GemmBackend, register_backend
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.backends.base import Availability, GemmBackend, register_backend
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.fp8 import Fp8Tensor, Granularity
 
 __all__ = ["TritonBackend"]

@@ -6,7 +6,7 @@ It runs on CUDA GPUs of compute capability 8.9 and newer, and on the CPU from to
 *dequantization* scales: ``()`` for tensorwise, ``(M, 1)`` and ``(1, N)`` for rowwise. On CUDA, K
 and N must be multiples of 16, and rowwise scaling needs a bfloat16 output.
 
-Operands are quantized by :mod:`~loka_torchrec.dispatch.backends.operand_quantize`: the fused
+Operands are quantized by :mod:`~loka_torchrec.gemm.backends.operand_quantize`: the fused
 Triton kernel on the GPU, eager torch ops on the CPU.
 """
 
@@ -16,9 +16,9 @@ import torch
 
 from typing import Tuple
 
-from loka_torchrec.dispatch.backends.base import Availability, GemmBackend, register_backend
-from loka_torchrec.dispatch.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.backends.base import Availability, GemmBackend, register_backend
+from loka_torchrec.gemm.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.fp8 import Fp8Tensor, Granularity
 
 __all__ = ["ScaledMMBackend"]

@@ -19,7 +19,7 @@ from typing import Tuple
 
 import torch
 
-from loka_torchrec.dispatch.recipes import OperandSpec
+from loka_torchrec.gemm.recipes import OperandSpec
 from loka_torchrec.fp8 import Fp8Tensor, Granularity, quantize
 
 __all__ = ["fused_quantize_available", "quantize_operand", "quantize_operand_with_transpose"]

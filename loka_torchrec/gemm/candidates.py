@@ -1,9 +1,9 @@
-"""How the Probe runs one candidate kernel for one GEMM role: recipe, availability, padding.
+"""How a candidate kernel runs one GEMM role when it is measured: recipe, availability, padding.
 
-A candidate whose backend needs ``K`` and ``N`` aligned (``torch._scaled_mm`` on CUDA: multiples
-of 16) runs the way ``LokaLinear`` runs it in training: both operands zero-padded along ``K`` and
-``B`` along ``N`` (zeros add nothing to a dot product and change no amax, so the result is exact),
-and the output cut back to ``N`` columns.
+A candidate whose backend needs aligned dims (``torch._scaled_mm`` on CUDA: multiples of 16) runs
+the way ``LokaLinear`` runs it in training: both operands zero-padded to the alignment (zeros add
+nothing to a dot product and change no amax, so the result is exact), the output cut back to
+``(M, N)``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from loka_torchrec.dispatch.backends import get_backend
-from loka_torchrec.dispatch.recipes import GemmRecipe, recipe_for
+from loka_torchrec.gemm.backends import get_backend
+from loka_torchrec.gemm.recipes import GemmRecipe, recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 
@@ -29,7 +29,7 @@ class CandidateRun:
     Attributes:
         choice: backend and recipe.
         recipe: operand quantization (``None`` for the high-precision baseline).
-        align: ``K`` and ``N`` are zero-padded to a multiple of this (1: no padding).
+        align: ``M``, ``K`` and ``N`` are zero-padded to a multiple of this (1: no padding).
     """
 
     choice: KernelChoice
@@ -38,15 +38,14 @@ class CandidateRun:
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """``A (M, K) @ B (N, K)^T`` through the candidate, quantization (and padding) included."""
-        n = b.shape[0]
+        m, n = a.shape[0], b.shape[0]
         if self.align > 1:
-            k_pad = -a.shape[1] % self.align
-            n_pad = -n % self.align
-            if k_pad or n_pad:
-                a = F.pad(a, (0, k_pad))
+            m_pad, k_pad, n_pad = (-d % self.align for d in (m, a.shape[1], n))
+            if m_pad or k_pad or n_pad:
+                a = F.pad(a, (0, k_pad, 0, m_pad))
                 b = F.pad(b, (0, k_pad, 0, n_pad))
         out = get_backend(self.choice.backend).gemm(a, b, self.recipe, out_dtype)
-        return out[:, :n] if out.shape[1] != n else out
+        return out[:m, :n] if out.shape != (m, n) else out
 
 
 def resolve_candidate(
@@ -71,8 +70,6 @@ def resolve_candidate(
     if problem is None:
         return CandidateRun(choice, recipe)
     align = backend.alignment(device)
-    if align > 1:
-        padded = GemmShape(shape.m, -(-shape.k // align) * align, -(-shape.n // align) * align)
-        if padded != shape and backend.check(recipe, padded, device) is None:
-            return CandidateRun(choice, recipe, align)
+    if align > 1 and backend.check_padded(recipe, shape, device) is None:
+        return CandidateRun(choice, recipe, align)
     return problem

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from loka_torchrec.dispatch.backends.base import GemmBackend, register_backend
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.backends.base import GemmBackend, register_backend
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 
 __all__ = ["HighPrecisionBackend", "high_precision_dtype"]
 

@@ -5,7 +5,7 @@ pure torch; ``fbgemm``, ``te`` and ``triton`` import their libraries lazily and 
 themselves unavailable, with the reason, where those libraries or a GPU are missing.
 """
 
-from loka_torchrec.dispatch.backends.base import (
+from loka_torchrec.gemm.backends.base import (
     Availability,
     BackendUnavailableError,
     GemmBackend,
@@ -13,8 +13,8 @@ from loka_torchrec.dispatch.backends.base import (
     get_backend,
     register_backend,
 )
-from loka_torchrec.dispatch.backends import high_precision, emulated, scaled_mm  # noqa: F401  (registers)
-from loka_torchrec.dispatch.backends import fbgemm, transformer_engine, triton  # noqa: F401  (registers; lazy imports)
+from loka_torchrec.gemm.backends import high_precision, emulated, scaled_mm  # noqa: F401  (registers)
+from loka_torchrec.gemm.backends import fbgemm, transformer_engine, triton  # noqa: F401  (registers; lazy imports)
 
 __all__ = [
     "Availability",

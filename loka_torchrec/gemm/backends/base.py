@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.evidence import GemmShape
 
 __all__ = [
@@ -42,7 +42,7 @@ class GemmBackend(abc.ABC):
 
     Class attributes a backend declares:
         name: registry name, e.g. ``"scaled_mm"``.
-        recipes: recipe names it implements (see :mod:`loka_torchrec.dispatch.recipes`).
+        recipes: recipe names it implements (see :mod:`loka_torchrec.gemm.recipes`).
         devices: device types it can run on (``"cpu"``, ``"cuda"``).
         fused_quantize: whether its quantization is a single fused kernel.
         in_auto: whether ``candidates: [auto]`` includes it (a backend that is never the fastest

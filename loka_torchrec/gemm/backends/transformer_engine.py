@@ -4,7 +4,7 @@ Recipes:
 
 * ``tensorwise``: ``Float8CurrentScalingQuantizer`` (one scale per tensor from its current amax);
 * ``blockwise``: ``Float8BlockQuantizer`` (1x128 tiles for activations and gradients, 128x128 for
-  weights, per :func:`loka_torchrec.dispatch.recipes.recipe_for`); Hopper (sm90) only.
+  weights, per :func:`loka_torchrec.gemm.recipes.recipe_for`); Hopper (sm90) only.
 
 The GEMM is ``transformer_engine.pytorch.cpp_extensions.general_gemm``. TE writes GEMMs in
 column-major terms: ``general_gemm(W, X, layout="TN")`` returns ``X @ W^T``, so ``A @ B^T`` is
@@ -21,8 +21,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from loka_torchrec.dispatch.backends.base import Availability, GemmBackend, register_backend
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.backends.base import Availability, GemmBackend, register_backend
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.evidence import GemmShape
 from loka_torchrec.fp8 import Fp8Format, Granularity
 

@@ -16,7 +16,7 @@ Both GEMMs are forward-only ops: the backend computes ``A @ B^T`` of whatever op
 given, so the grad-input (``dy @ W``) and grad-weight (``dy^T @ x``) GEMMs go through it like the
 forward one. Row-major E4M3 operands are quantized by FBGEMM's own kernel; transposed views, E5M2
 operands and power-of-two scales by the project's fused kernel on the GPU
-(:mod:`~loka_torchrec.dispatch.backends.operand_quantize`).
+(:mod:`~loka_torchrec.gemm.backends.operand_quantize`).
 Needs a CUDA GPU of compute capability 9.0 or newer; K and N must be multiples of 16.
 """
 
@@ -27,9 +27,9 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from loka_torchrec.dispatch.backends.base import Availability, GemmBackend, register_backend
-from loka_torchrec.dispatch.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
-from loka_torchrec.dispatch.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.backends.base import Availability, GemmBackend, register_backend
+from loka_torchrec.gemm.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
 from loka_torchrec.evidence import GemmShape
 from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity
 

@@ -1,63 +1,26 @@
 """Measuring GEMM candidates: one role's work, its error against float64, its time.
 
-Shared by the random-input evidence provider here and by the Probe (which supplies inputs drawn
-from learned distributions instead of random ones).
+Shared by Dispatch's random-input evidence provider and by the Probe (which supplies inputs drawn
+from learned distributions instead of random ones); intervals come from
+:mod:`loka_torchrec.gemm.intervals`.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 import logging
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from loka_torchrec.dispatch.backends import get_backend
-from loka_torchrec.dispatch.recipes import recipe_for
-from loka_torchrec.evidence import GemmRole, Interval, KernelChoice
+from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
+from loka_torchrec.gemm.candidates import resolve_candidate
 from loka_torchrec.fp8 import Fp8Format, mere
+from loka_torchrec.gemm.intervals import iqr_interval
 
-__all__ = ["excluded_note", "run_role_gemm", "mean_interval", "time_ms", "graph_replay_ms", "role_operands", "t_quantile_975"]
+__all__ = ["excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
 
 logger = logging.getLogger(__name__)
-
-# Two-sided 95% Student-t quantiles t_{0.975, df} for df = 1..30 (standard tables).
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)
-
-
-def t_quantile_975(df: int) -> float:
-    """``t_{0.975, df}``: the table up to 30 degrees of freedom, a Cornish-Fisher series beyond."""
-    if df < 1:
-        return math.inf
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959963984540054  # the normal quantile; the series corrects it by powers of 1/df
-    return (
-        z
-        + (z**3 + z) / (4 * df)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
-    )
-
-
-def mean_interval(values: Sequence[float]) -> Interval:
-    """Mean with a Student-t 95% confidence interval (method ``"t95"``)."""
-    values = [float(v) for v in values]
-    n = len(values)
-    if n == 0:
-        raise ValueError("mean_interval: no values")
-    mean = statistics.fmean(values)
-    if n == 1:
-        return Interval(mean, mean, mean, 1, "none")
-    half = t_quantile_975(n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return Interval(mean, mean - half, mean + half, n, "t95")
-
 
 def role_operands(role: GemmRole, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor):
     """The ``(A, B)`` operands of ``role`` for a linear layer (see :mod:`loka_torchrec.evidence`).
@@ -84,17 +47,11 @@ def run_role_gemm(
     ``torch._scaled_mm`` on CUDA) and the result cropped: the numbers are those of the GEMM
     training would run, at any shape.
     """
-    backend = get_backend(choice.backend)
-    if choice.is_high_precision:
-        return backend.gemm(a, b, None, out_dtype)
-    (m, k), n = a.shape, b.shape[0]
-    align = backend.alignment(a.device)
-    if align > 1 and (m % align or k % align or n % align):
-        pad = lambda d: -(-d // align) * align  # noqa: E731
-        a = torch.nn.functional.pad(a, (0, pad(k) - k, 0, pad(m) - m))
-        b = torch.nn.functional.pad(b, (0, pad(k) - k, 0, pad(n) - n))
-    out = backend.gemm(a, b, recipe_for(choice.recipe, role, grad_format=grad_format), out_dtype)
-    return out[:m, :n] if out.shape != (m, n) else out
+    shape = GemmShape(a.shape[0], a.shape[1], b.shape[0])
+    run = resolve_candidate(choice, role, shape, a.device, grad_format=grad_format)
+    if isinstance(run, str):
+        raise ValueError(f"{choice} cannot run {GemmRole(role).value} GEMM {shape} on {a.device}: {run}")
+    return run.gemm(a, b, out_dtype)
 
 
 def excluded_note(exc: BaseException) -> str:
@@ -191,7 +148,4 @@ def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    # "inclusive": quartiles within the observed range (the default extrapolates, below 0 for n=2).
-    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) >= 2 else [times[0]] * 3
-    return Interval(statistics.median(times), min(q[0], statistics.median(times)), max(q[2], statistics.median(times)), len(times), "iqr")
+    return iqr_interval(times)
