@@ -1,0 +1,182 @@
+"""Forward + backward of a DHEN model's dense part (everything after the embedding lookup), compiled.
+
+The step that LoKA's FP8 GEMMs can speed up, without the embeddings, the input pipeline and the
+optimizer around it: the ``over_arch`` of the DHEN-style model at a preset's sizes, batch rows of
+random pooled embeddings, bf16 weights, one forward and one backward per step, timed with CUDA
+events (median over ``--steps`` after ``--warmup``), every run in this one process:
+
+* ``bf16_compile``, ``bf16_compile_cudagraphs``: the model with the Mods (``ModsConfig("all")``,
+  as LoKA's runs use it) in bf16, ``torch.compile`` default / ``reduce-overhead``;
+* ``bf16_nomods_compile_cudagraphs``: the plain model in bf16, compiled with CUDA graphs;
+* ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's float8 training with its
+  size filter on the plain model, compiled with CUDA graphs;
+* ``loka_compile``: the Mods model with a pinned LoKA plan (``--plan``, e.g. the plan a training
+  run wrote) or a static mode (``--mode``), compiled with CUDA graphs.
+
+Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, the table with ratios to the
+faster bf16 compile mode). Example (one GPU)::
+
+    python benchmarks/dense_part_step.py --preset xl --plan PLAN.json --out results/dense-part-dhen-xl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_nomods_compile_cudagraphs", "torchao_tensorwise_compile",
+        "torchao_rowwise_compile", "loka_compile")  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="xl", choices=("large", "xl"))
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--plan", help="a dispatch_plan.json for loka_compile (pinned mode)")
+    p.add_argument("--mode", default=None, help="a static dispatch mode for loka_compile instead of --plan")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", required=True, help="output path without extension")
+    args = p.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(args.runs) - set(RUNS))
+    if unknown:
+        p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
+    if "loka_compile" in args.runs and not (args.plan or args.mode):
+        p.error("--runs loka_compile: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
+    return args
+
+
+class DensePart(nn.Module):
+    """The model's ``over_arch`` under its own name, so that layer names match a training run's plan."""
+
+    def __init__(self, over_arch: nn.Module) -> None:
+        super().__init__()
+        self.over_arch = over_arch
+
+    def forward(self, dense, pooled):
+        return self.over_arch(dense, pooled)
+
+
+def build(preset: str, device: torch.device, mods: bool) -> DensePart:
+    from loka_job.models.dhen import DhenConfig, DhenOverArch
+    from loka_torchrec.mods import ModsConfig, apply_mods
+
+    config = getattr(DhenConfig, preset)()
+    features = [f"f{i}" for i in range({"large": 7, "xl": 63}[preset])]
+    torch.manual_seed(0)
+    model = DensePart(DhenOverArch(features, 13, config, device))
+    if mods:
+        apply_mods(model, ModsConfig(preset="all"))
+    return model
+
+
+def inputs(preset: str, batch: int, device: torch.device):
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    n = {"large": 7, "xl": 63}[preset]
+    gen = torch.Generator(device=device).manual_seed(1)
+    values = torch.randn(batch, n * 256, generator=gen, device=device, dtype=torch.bfloat16)
+    pooled = KeyedTensor(keys=[f"f{i}" for i in range(n)], length_per_key=[256] * n, values=values)
+    dense = torch.randn(batch, 13, generator=gen, device=device, dtype=torch.bfloat16)
+    return dense, pooled
+
+
+def make(run: str, args, device) -> nn.Module:
+    mods = run.startswith("bf16_compile") or run == "loka_compile"
+    model = build(args.preset, device, mods=mods).to(torch.bfloat16)
+    if run.startswith("torchao"):
+        from loka_job.baselines import BaselineConfig, apply_baseline
+
+        apply_baseline(model, BaselineConfig(kind="torchao", recipe=run.split("_")[1], auto_filter=True))
+    if run == "loka_compile":
+        import loka_torchrec
+        from loka_torchrec.dispatch import DispatchConfig
+
+        dispatch = DispatchConfig(mode="pinned", plan_path=args.plan) if args.plan else DispatchConfig(mode=args.mode)
+        loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
+    mode = "default" if run == "bf16_compile" else "reduce-overhead"
+    return torch.compile(model, mode=mode, fullgraph=not run.startswith("torchao"))
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int) -> List[float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("dense_part_step.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    dense, pooled = inputs(args.preset, args.batch, device)
+    results: Dict[str, Dict] = {}
+    for run in args.runs:
+        try:
+            model = make(run, args, device)
+
+            def step() -> None:
+                torch.compiler.cudagraph_mark_step_begin()
+                model(dense, pooled).float().sum().backward()
+
+            times = time_steps(step, args.warmup, args.steps)
+            results[run] = {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+        except Exception as exc:  # noqa: BLE001 - one failing run is recorded, the others still run
+            results[run] = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        print(f"[dense] {run}: {results[run]}", flush=True)
+        model = None
+        torch.cuda.empty_cache()
+    ok = {r: v["median_ms"] for r, v in results.items() if v["status"] == "ok"}
+    ref_name = min((r for r in ("bf16_compile", "bf16_compile_cudagraphs") if r in ok), key=ok.get, default=None)
+    meta = {
+        "device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "command": "python benchmarks/dense_part_step.py " + " ".join(argv or sys.argv[1:]),
+        "preset": args.preset, "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "reference": ref_name,
+    }  # fmt: skip
+    try:
+        import torchao
+
+        meta["torchao"] = torchao.__version__
+    except ImportError:
+        meta["torchao"] = None
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "runs": results}, f, indent=2)
+    lines = [f"# DHEN {args.preset} dense part, forward + backward, compiled", ""]
+    lines += [f"- {k}: `{v}`" for k, v in meta.items()]
+    lines += ["", f"| run | ms per step (median) | vs {ref_name} |", "|---|---|---|"]
+    for run, v in results.items():
+        if v["status"] != "ok":
+            lines.append(f"| {run} | {v['status']}: {v['error']} | |")
+            continue
+        ratio = f"{ok[ref_name] / v['median_ms']:.3f}x" if ref_name else "n/a"
+        lines.append(f"| {run} | {v['median_ms']:.2f} [{v['min_ms']:.2f}, {v['max_ms']:.2f}] | {ratio} |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
