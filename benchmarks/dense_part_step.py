@@ -135,8 +135,11 @@ def main(argv=None) -> int:
     for run in args.runs:
         try:
             model = make(run, args, device)
+            params = list(model.parameters())
 
             def step() -> None:
+                for p in params:  # as an optimizer's zero_grad: CUDA-graph outputs are not accumulated into
+                    p.grad = None
                 torch.compiler.cudagraph_mark_step_begin()
                 model(dense, pooled).float().sum().backward()
 

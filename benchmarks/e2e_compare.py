@@ -135,7 +135,7 @@ class RunSpec:
             raise ValueError(f"RunSpec.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
 
-_BF16 = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.mods.preset=all")
+_BF16 = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
 _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8")
 
 

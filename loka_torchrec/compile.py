@@ -106,13 +106,22 @@ def compile_dense(
             module = model.get_submodule(name)
         except AttributeError as exc:
             raise ValueError(f"compile_dense: modules: no submodule {name!r} in the model ({exc})") from None
-        compiled = torch.compile(_module_caller(), mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        compiled = torch.compile(_module_caller(), fullgraph=fullgraph, dynamic=dynamic, **_mode_or_options(mode))
         # The slot nn.Module.compile() fills: calls of the module go through it, with TorchRec's lazy
         # awaitables resolved first (a sharded module hands its output on as a LazyAwaitable whose
         # wait() is a collective, which must not be traced).
         module._compiled_call_impl = functools.partial(_call_resolved, compiled, module)
     logger.info("compiled (torch.compile mode=%s): %s", mode, ", ".join(names) or "nothing")
     return names
+
+
+def _mode_or_options(mode: str) -> dict:
+    """``torch.compile``'s ``mode``, except that ``reduce-overhead`` records CUDA graphs only for
+    static shapes: a graph with a dynamic dim (HSTU's jagged token count) would be re-recorded for
+    every new size, so Inductor runs it without one (its ``cudagraph_skip_dynamic_graphs``)."""
+    if mode == "reduce-overhead":
+        return {"options": {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}}
+    return {"mode": mode}
 
 
 def _call_module(module: nn.Module, *args, **kwargs):
