@@ -195,6 +195,26 @@ def test_safety_valve_trips_on_nan(tmp_path):
     assert fallback[1:3] == ("fc1", 6) and "act nonfinite" in fallback[3]
 
 
+def test_safety_valve_trips_on_inputs_below_the_fp8_scaling_floor(tmp_path):
+    # At step 6 the inputs shrink to ~1e-15: below the 1e-12 amax floor, where FP8 flushes or
+    # coarsens them and nn.Linear keeps them. amax only falls, so no other signal fires for fc1.
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0]})
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 7, data=lambda step, x: x * 1e-15 if step == 6 else x)
+    cb.close()
+    (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
+    assert fallback[1:3] == ("fc1", 6)
+    assert "act.rowwise below_floor: 1 of the elements" in fallback[3] and "scaling floor 1e-12" in fallback[3]
+    assert "act.tensorwise below_floor: 1" in fallback[3]
+    records, _ = read_rank_log(tmp_path / "probe" / "rank0.jsonl")
+    (tripped,) = [r for r in records if r["event"] == "fallback"]
+    assert {t["signal"] for t in tripped["triggers"]} == {"below_floor"}
+    probes = {r["step"]: r["stats"]["act"]["local"] for r in records if r["event"] in ("probe", "fallback")}
+    assert probes[6]["below_floor"] == {"tensorwise": 1.0, "rowwise": 1.0}  # the per-rank log shows it
+    assert probes[4]["below_floor"] == {"tensorwise": 0.0, "rowwise": 0.0}
+
+
 def test_logs_survive_a_killed_run(tmp_path):
     model = _mlp()
     cb = ProbeCallback(model, CFG, run_dir=str(tmp_path))

@@ -9,7 +9,9 @@ every rank reaches the same verdict. A layer trips on any of:
 * ``kurtosis_spike``: ``kurtosis > kurtosis_spike_ratio * reference kurtosis``;
 * ``underflow_rise``: an underflow fraction (any format, any granularity) rose by more than
   ``underflow_rise``;
-* ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``.
+* ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``;
+* ``below_floor``: the fraction of elements in groups whose amax is below the FP8 scaling floor
+  (1e-12, where FP8 loses them and ``nn.Linear`` keeps them) rose by more than ``underflow_rise``.
 
 A fraction measured on few elements is noisy (2 of 64 elements is already 3%), so a rise must
 also exceed ``NOISE_Z`` binomial standard errors of the probe step's fraction,
@@ -35,7 +37,7 @@ class Trigger:
     """One reason to send a layer back to bf16, with the numbers that fired it."""
 
     tensor: str  # "act", "grad" or "weight"
-    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "saturation_rise"
+    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "saturation_rise", "below_floor"
     value: float
     reference: float
     bound: float
@@ -48,6 +50,11 @@ class Trigger:
         where = f"{self.tensor}{'.' + self.detail if self.detail else ''}"
         if self.signal == "nonfinite":
             return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)"
+        if self.signal == "below_floor":
+            return (
+                f"{where} below_floor: {self.value:.4g} of the elements are in groups whose amax is below the FP8 "
+                f"scaling floor 1e-12, where FP8 flushes or coarsens them (reference {self.reference:.4g}, bound {self.bound:.4g})"
+            )
         return f"{where} {self.signal}: {self.value:.4g} (reference {self.reference:.4g}, bound {self.bound:.4g})"
 
 
@@ -98,6 +105,13 @@ def check_shift(tensor: str, reference: Optional[Mapping[str, Any]], window: Map
             value = float(value)
             if rose(value, ref_value, config.underflow_rise):
                 triggers.append(Trigger(tensor, "underflow_rise", value, ref_value, ref_value + config.underflow_rise, f"{fmt}.{gran}"))
+    floor, ref_floor = window.get("below_floor") or {}, reference.get("below_floor") or {}
+    for gran, value in sorted(floor.items()):
+        ref_value = float(ref_floor.get(gran, 0.0))  # references saved before the floor was counted: none
+        ref_value = ref_value if math.isfinite(ref_value) else 0.0
+        value = float(value)
+        if rose(value, ref_value, config.underflow_rise):
+            triggers.append(Trigger(tensor, "below_floor", value, ref_value, ref_value + config.underflow_rise, gran))
     sat, ref_sat = _num(window, "saturation"), _num(reference, "saturation")
     ref_sat = ref_sat if math.isfinite(ref_sat) else 0.0
     if rose(sat, ref_sat, config.saturation_rise):
