@@ -25,9 +25,10 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Optional
 
+from loka_torchrec.evidence import GemmRole
 from loka_torchrec.probe.config import ProbeConfig
 
-__all__ = ["Trigger", "check_shift", "describe", "NOISE_Z"]
+__all__ = ["Trigger", "check_shift", "describe", "nonfinite_spread", "NOISE_Z"]
 
 NOISE_Z = 4.0
 
@@ -42,6 +43,7 @@ class Trigger:
     reference: float
     bound: float
     detail: str = ""
+    spread: str = ""  # nonfinite: how the layer's FP8 recipes spread it (see nonfinite_spread)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -49,7 +51,7 @@ class Trigger:
     def __str__(self) -> str:
         where = f"{self.tensor}{'.' + self.detail if self.detail else ''}"
         if self.signal == "nonfinite":
-            return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)"
+            return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)" + (f" ({self.spread})" if self.spread else "")
         if self.signal == "below_floor":
             return (
                 f"{where} below_floor: {self.value:.4g} of the elements are in groups whose amax is below the FP8 "
@@ -117,6 +119,47 @@ def check_shift(tensor: str, reference: Optional[Mapping[str, Any]], window: Map
     if rose(sat, ref_sat, config.saturation_rise):
         triggers.append(Trigger(tensor, "saturation_rise", sat, ref_sat, ref_sat + config.saturation_rise, "tensorwise_delayed"))
     return triggers
+
+
+# Which GEMMs read each tensor, and what each GEMM produces.
+_READERS = {"act": ("fwd", "wgrad"), "grad": ("dgrad", "wgrad"), "weight": ("fwd", "dgrad")}
+_PRODUCT = {"fwd": "output", "dgrad": "input gradient", "wgrad": "weight gradient"}
+
+
+def nonfinite_spread(tensor: str, kernels: Any) -> str:
+    """How the kernels a layer ran spread an inf/NaN of ``tensor`` (``"act"``, ``"grad"``, ``"weight"``).
+
+    A scaled FP8 GEMM gives an inf/NaN scaling group a NaN scale (see
+    :mod:`loka_torchrec.fp8.scaling`): with one scale per operand (``tensorwise``) a single NaN
+    makes the GEMM's whole product NaN; finer recipes keep it within the group's rows or blocks;
+    bf16 spreads it only as far as the arithmetic does.
+
+    Args:
+        tensor: the tensor that held the inf/NaN.
+        kernels: the layer's kernels: anything with ``for_role(role)`` returning a
+            ``KernelChoice`` (Dispatch's ``LayerKernels``); ``None`` gives ``""``.
+
+    Example::
+
+        >>> from loka_torchrec.evidence import BF16, KernelChoice
+        >>> class Kernels:
+        ...     def for_role(self, role):
+        ...         return KernelChoice("scaled_mm", "tensorwise") if role.value == "fwd" else BF16
+        >>> nonfinite_spread("act", Kernels())
+        'fwd scaled_mm:tensorwise: one scale for the whole operand, so the whole output turns NaN; wgrad bf16:hp: not FP8-scaled'
+    """
+    if kernels is None or not hasattr(kernels, "for_role") or tensor not in _READERS:
+        return ""
+    parts = []
+    for role in _READERS[tensor]:
+        choice = kernels.for_role(GemmRole(role))
+        if choice.is_high_precision:
+            parts.append(f"{role} {choice}: not FP8-scaled")
+        elif choice.recipe == "tensorwise":
+            parts.append(f"{role} {choice}: one scale for the whole operand, so the whole {_PRODUCT[role]} turns NaN")
+        else:
+            parts.append(f"{role} {choice}: {choice.recipe} scales, so NaN stays within the {_PRODUCT[role]} entries its scaling group feeds")
+    return "; ".join(parts)
 
 
 def describe(triggers: List[Trigger]) -> str:
