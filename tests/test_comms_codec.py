@@ -254,3 +254,54 @@ def test_sharders_bind_one_scale_per_row_of_each_module():
     # Outside shard() the planner sees the dims-agnostic registry.
     assert ebc_sharder.qcomm_codecs_registry["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward.block_source == "default"
     assert comms.sharders(CommsConfig())[0].qcomm_codecs_registry in (None, {})
+
+
+@pytest.mark.parametrize("round_trip", ["pickle", "deepcopy"])
+def test_sharders_survive_pickle_and_deepcopy_with_working_codecs(round_trip):
+    import copy
+    import pickle
+
+    originals = comms.sharders(CommsConfig(forward="fp8", backward="bf16"))
+    block = comms.DEFAULT_BLOCK  # outside shard() the block is the default one
+    originals[0].qcomm_codecs_registry["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward.encode(torch.full((block,), float("nan")))
+    copies = pickle.loads(pickle.dumps(originals)) if round_trip == "pickle" else copy.deepcopy(originals)
+    ebc_sharder, ec_sharder = copies
+    assert ebc_sharder.nonfinite_counters is ec_sharder.nonfinite_counters  # still one shared counter
+    assert ebc_sharder.nonfinite_counters is not originals[0].nonfinite_counters
+    assert ebc_sharder.nonfinite_counters.as_dict()["pooled_embeddings_all_to_all/forward/sent"] == block  # counts so far
+    codecs = ebc_sharder.qcomm_codecs_registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert codecs.forward.counters is ebc_sharder.nonfinite_counters
+    x = torch.tensor([[0.5, -1.0, 2.0, float("inf")]] * block)
+    decoded = codecs.forward.decode(codecs.forward.encode(x)).view_as(x)
+    assert torch.equal(decoded[:, :3], x[:, :3])  # exact in E4M3
+    assert not torch.isfinite(decoded[:, 3]).any()
+    counts = ebc_sharder.nonfinite_counters.as_dict()
+    assert counts["pooled_embeddings_all_to_all/forward/sent"] == 2 * block
+    assert counts["pooled_embeddings_all_to_all/forward/received"] == block
+    assert originals[0].nonfinite_counters.as_dict()["pooled_embeddings_all_to_all/forward/sent"] == block
+    ebc_sharder.nonfinite_counters.reset()  # the copy's lock works
+    assert ebc_sharder.nonfinite_counters.total() == 0
+
+
+def test_fp8_codec_carries_a_float_payload_on_torchrecs_sync_path_only_while_grads_are_needed():
+    from torchrec.distributed.comm_ops import get_use_sync_collectives, set_use_sync_collectives
+
+    codec = comms.registry(CommsConfig(forward="fp8", backward="fp32"), embedding_dims=[4])["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward
+    x = torch.randn(3, 4, requires_grad=True)
+    assert codec.encode(x, codec.create_context()).dtype == torch.uint8  # async path: FP8 bytes
+    previous = get_use_sync_collectives()
+    set_use_sync_collectives(True)
+    try:
+        with torch.no_grad():
+            assert codec.encode(x, codec.create_context()).dtype == torch.uint8
+        ctx = codec.create_context()
+        payload = codec.encode(x, ctx)
+        out = codec.decode(payload, ctx)
+    finally:
+        set_use_sync_collectives(previous)
+    assert payload.dtype == torch.float32  # at least the configured backward precision
+    assert codec.calc_quantized_size(12, ctx) == 12
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    with pytest.raises(ValueError, match="sync_carrier: expected torch.bfloat16 or torch.float32"):
+        Fp8CommCodec("e4m3", block=4, sync_carrier=torch.float16)

@@ -219,6 +219,45 @@ def _scenario_dmp(rank, world_size, pg, results):
     results["nonfinite_counts"] = counters.as_dict()
 
 
+def _scenario_sync_collectives(rank, world_size, pg, results):
+    """TorchRec's sync collectives (``set_use_sync_collectives(True)``) with fp8 codecs both ways.
+
+    That path sends the payload's gradient back in the payload's dtype: the FP8 codec carries bf16
+    while gradients are needed and FP8 bytes under ``torch.no_grad()``.
+    """
+    from torchrec.distributed.comm_ops import get_use_sync_collectives, set_use_sync_collectives
+
+    from loka_torchrec import comms
+
+    grad_seed = 7
+    ref_outs, ref_var_outs, ref_grads = _reference(world_size, grad_seed)
+    previous = get_use_sync_collectives()
+    set_use_sync_collectives(True)
+    try:
+        config = comms.CommsConfig(forward="fp8", backward="fp8")
+        vals, var_vals, deltas, counters = _forward_backward(config, pg, rank, world_size, grad_seed)
+    finally:
+        set_use_sync_collectives(previous)
+    ref, var_ref = ref_outs[rank], ref_var_outs[rank]
+    tw = [f"f_{n}" for n, _, _, st in TABLES if st != "row_wise"]
+    results["sync_forward_excess"] = max(  # with autograd on: one bf16 rounding per value
+        float(((vals[k] - ref[k]).abs() - BF16_U * ref[k].abs() * (1 + 1e-3) - 1e-9).max()) for k in tw
+    )
+    results["sync_no_grad_forward_excess"] = _forward_excess({k: var_vals[k] for k in tw}, var_ref, E4M3_U)
+    results["sync_no_grad_rel_frobenius"] = max(float((var_vals[k] - var_ref[k]).norm() / var_ref[k].norm()) for k in tw)
+    from torchrec.distributed.comm_ops import get_gradient_division
+
+    div = world_size if get_gradient_division() else 1
+    grads = {}
+    for (table, r0, c0), d in deltas.items():
+        rows, cols = slice(r0, r0 + d.shape[0]), slice(c0, c0 + d.shape[1])
+        expected = -LR * ref_grads[("grad", table)][rows, cols] / div
+        bound = LR / div * (BF16_U * ref_grads[("abs_grad", table)][rows, cols]) * (1 + 1e-3) + 1e-6
+        grads[table] = {"excess": float(((d - expected).abs() - bound).max()), "expected_norm": float(expected.norm())}
+    results["sync_grads"] = grads
+    results["sync_counts"] = counters.as_dict()
+
+
 def _scenario_raw_a2a(rank, world_size, pg, results):
     """The codec over a raw gloo all_to_all_single: uneven and empty splits, inf/NaN, fp16 input."""
     from loka_torchrec.comms import Fp8CommCodec, NonFiniteCounters
@@ -360,7 +399,7 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         pg = dist.group.WORLD
-        for scenario in (_scenario_raw_a2a, _scenario_dmp, _scenario_sequence, _scenario_training):
+        for scenario in (_scenario_raw_a2a, _scenario_dmp, _scenario_sync_collectives, _scenario_sequence, _scenario_training):
             scenario(rank, world_size, pg, results)
     except Exception:  # reported to the test process, which fails with the traceback
         results["error"] = traceback.format_exc()
@@ -453,3 +492,19 @@ def test_short_training_run_tracks_fp32_loss(ranks):
         # MLP) moves a BCE loss near log(2) far less than a quarter of E4M3's unit roundoff.
         assert max(rel) < E4M3_U / 4, rel
         assert l8 != l32  # the FP8 path really ran
+
+
+@pytest.mark.slow
+def test_sync_collectives_train_embeddings_through_fp8_codecs(ranks):
+    # TorchRec's sync path used to cut the gradient at the FP8 payload ("element 0 of tensors does
+    # not require grad"); now the values travel as bf16 while gradients are needed.
+    for res in ranks:
+        assert res["sync_forward_excess"] <= 0.0
+        assert res["sync_grads"], "no local embedding shard was updated"
+        for table, g in res["sync_grads"].items():
+            assert g["expected_norm"] > 0
+            assert g["excess"] <= 0.0, table
+        # Under torch.no_grad() the same codec still sends FP8 bytes: E4M3 error, well above bf16's.
+        assert res["sync_no_grad_forward_excess"] <= 0.0
+        assert res["sync_no_grad_rel_frobenius"] > BF16_U
+        assert "pooled_embeddings_all_to_all/forward/sent" in res["sync_counts"]

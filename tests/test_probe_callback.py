@@ -193,6 +193,58 @@ def test_safety_valve_trips_on_nan(tmp_path):
     cb.close()
     (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
     assert fallback[1:3] == ("fc1", 6) and "act nonfinite" in fallback[3]
+    assert "not FP8-scaled" not in fallback[3] and "scales" not in fallback[3]  # a plain nn.Linear has no kernels to name
+
+
+class _Kernels:
+    """What Dispatch's LayerKernels offers the Probe: the kernel per GEMM role."""
+
+    def __init__(self, **by_role):
+        self.by_role = by_role
+
+    def for_role(self, role):
+        return self.by_role[GemmRole(role).value]
+
+
+def test_safety_valve_names_the_recipe_that_spread_a_nan(tmp_path):
+    model = _mlp()
+    model[0].kernels = _Kernels(fwd=SMM_TW, dgrad=BF16, wgrad=SMM_RW)
+    dispatch = FakeDispatch({"fc1": model[0]})
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 7, data=_shifted(6, "nan"))
+    cb.close()
+    (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
+    reason = fallback[3]
+    assert "act nonfinite: 1 inf/NaN element(s) (fwd scaled_mm:tensorwise: one scale for the whole operand, so the whole output turns NaN" in reason
+    assert "wgrad scaled_mm:rowwise: rowwise scales, so NaN stays within the weight gradient entries" in reason
+    # The NaN reached the output gradients too: dgrad ran bf16, which does not scale.
+    assert "grad nonfinite" in reason and "dgrad bf16:hp: not FP8-scaled" in reason
+    records, _ = read_rank_log(tmp_path / "probe" / "rank0.jsonl")
+    (tripped,) = [r for r in records if r["event"] == "fallback"]
+    act = next(t for t in tripped["triggers"] if t["tensor"] == "act")
+    assert act["spread"].startswith("fwd scaled_mm:tensorwise")
+    summary, _ = read_summary(tmp_path / "probe" / "summary.json")
+    assert "fwd scaled_mm:tensorwise" in summary["layers"]["fc1"]["events"][0]["reason"]
+
+
+def test_safety_valve_trips_on_inputs_below_the_fp8_scaling_floor(tmp_path):
+    # At step 6 the inputs shrink to ~1e-15: below the 1e-12 amax floor, where FP8 flushes or
+    # coarsens them and nn.Linear keeps them. amax only falls, so no other signal fires for fc1.
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0]})
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 7, data=lambda step, x: x * 1e-15 if step == 6 else x)
+    cb.close()
+    (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
+    assert fallback[1:3] == ("fc1", 6)
+    assert "act.rowwise below_floor: 1 of the elements" in fallback[3] and "scaling floor 1e-12" in fallback[3]
+    assert "act.tensorwise below_floor: 1" in fallback[3]
+    records, _ = read_rank_log(tmp_path / "probe" / "rank0.jsonl")
+    (tripped,) = [r for r in records if r["event"] == "fallback"]
+    assert {t["signal"] for t in tripped["triggers"]} == {"below_floor"}
+    probes = {r["step"]: r["stats"]["act"]["local"] for r in records if r["event"] in ("probe", "fallback")}
+    assert probes[6]["below_floor"] == {"tensorwise": 1.0, "rowwise": 1.0}  # the per-rank log shows it
+    assert probes[4]["below_floor"] == {"tensorwise": 0.0, "rowwise": 0.0}
 
 
 def test_logs_survive_a_killed_run(tmp_path):

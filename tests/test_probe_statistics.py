@@ -241,3 +241,47 @@ def test_underflow_counts_do_not_depend_on_the_comparison_chunking(monkeypatch):
     chunked = TensorStatistics(40)
     chunked.update(x)
     assert torch.equal(whole.underflow, chunked.underflow) and whole.underflow.sum() > 0
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_groups_below_the_scaling_floor_are_counted_and_their_flushes_are_underflow(fmt, granularity):
+    # Rows 0-1 have amax 1e-14 and 1e-16, below the 1e-12 floor that amax_to_scale clamps to:
+    # their small values flush to 0 in FP8 (nn.Linear keeps them). Row 3 is all zero (amax 0: not
+    # below the floor). The other rows are O(1) or tiny-scaled copies.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    x[0] = torch.logspace(-14, -24, 16, dtype=torch.float64)
+    x[1] = torch.logspace(-16, -20, 16, dtype=torch.float64)
+    x[3] = 0.0
+    for tiny_only in (False, True):
+        data = x[:3].clone() if tiny_only else x.clone()
+        if tiny_only:
+            data[2] = 1e-13  # the whole tensor is below the floor: tensorwise counts every nonzero element
+        stats = TensorStatistics(16)
+        stats.update(data)
+        q = quantize(data, fmt, granularity).data.float()
+        flushed = float(((q == 0) & (data != 0)).sum()) / data.numel()
+        assert flushed > 0
+        assert stats.underflow_fraction(fmt, granularity) == pytest.approx(flushed, abs=0.5 / data.numel())
+        if granularity == "rowwise" or tiny_only:
+            expected_floor = 1.0 if tiny_only else 2 * 16 / data.numel()
+        else:
+            expected_floor = 0.0  # the tensor's amax is O(1): one group, above the floor
+        assert stats.below_floor_fraction(granularity) == pytest.approx(expected_floor)
+        assert stats.summary()["below_floor"][granularity] == pytest.approx(expected_floor)
+        merged = stats.clone().merge(stats)  # counts add with the rows
+        assert merged.below_floor_fraction(granularity) == pytest.approx(expected_floor)
+
+
+def test_statistics_pickled_without_the_floor_count_load_with_none():
+    import pickle
+
+    stats = TensorStatistics(4)
+    stats.update(torch.ones(2, 4))
+    state = stats.__dict__.copy()
+    del state["below_floor"]
+    old = TensorStatistics.__new__(TensorStatistics)
+    old.__setstate__(state)
+    assert old.summary()["below_floor"] == {"tensorwise": 0.0, "rowwise": 0.0}
+    assert pickle.loads(pickle.dumps(stats)).below_floor_fraction("rowwise") == 0.0

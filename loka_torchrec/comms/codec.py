@@ -14,7 +14,12 @@ which fixes the shape of everything here:
 5. ``codec.decode(received, ctx)`` gets the concatenated payloads of all senders, flat.
 
 The backward pass does the same with the ``backward`` codec and a fresh context, without
-padding. The sequence all-to-all skips ``padded_size``; the reduce-scatter calls ``encode`` and
+padding. TorchRec's *sync* path (``set_use_sync_collectives(True)``, and any pooled or sequence
+all-to-all traced by Dynamo) never calls the ``backward`` codec: it runs steps 1-5 under autograd
+and sends the gradient of the payload back through the same all-to-all, in the payload's dtype
+and divided by the world size. FP8 bytes with per-block scales cannot carry a gradient, so there
+:class:`Fp8CommCodec` carries the values as a float payload while gradients are needed (see
+:meth:`Fp8CommCodec.create_context`). The sequence all-to-all skips ``padded_size``; the reduce-scatter calls ``encode`` and
 ``decode`` with no context and sums the payload on the wire. So FP8 payloads are a sequence of
 self-contained records of ``block`` values plus their scale (see
 :mod:`loka_torchrec.kernels.fp8_comm_codec`): any split at a multiple of ``block`` values is a
@@ -24,6 +29,7 @@ valid payload, and the scale bytes travel inside the same ``uint8`` tensor.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -32,6 +38,15 @@ from torch.autograd.profiler import record_function
 
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.kernels import fp8_comm_codec as wire
+
+try:  # TorchRec's switch between its async collectives and the autograd-traced sync ones
+    from torchrec.distributed.comm_ops import get_use_sync_collectives
+except ImportError:  # an older TorchRec without the sync path
+    def get_use_sync_collectives() -> bool:
+        return False
+
+logger = logging.getLogger(__name__)
+_warned_sync = set()  # codec names whose sync-path step-down was logged (once per process)
 
 __all__ = [
     "CommCodecContext",
@@ -54,12 +69,15 @@ class CommCodecContext:
         row_dim: kept at 0. TorchRec's variable-batch path reads ``ctx.row_dim`` and applies
             FBGEMM-specific row padding when it is positive; this codec pads through
             ``padded_size`` instead.
+        carrier: set by :meth:`Fp8CommCodec.create_context` on TorchRec's sync path while
+            gradients are needed: the float dtype the values travel in instead of FP8 bytes.
     """
 
     block: int = 0
     dtype: Optional[torch.dtype] = None
     padded_dim_sum_per_rank: Optional[List[int]] = None
     row_dim: int = 0
+    carrier: Optional[torch.dtype] = None
 
 
 class NonFiniteCounters:
@@ -81,6 +99,16 @@ class NonFiniteCounters:
     def __init__(self) -> None:
         self._slots: Dict[Tuple[str, torch.device], torch.Tensor] = {}
         self._lock = threading.Lock()  # the backward pass runs on autograd's own thread
+
+    # A lock cannot be pickled or deep-copied; a copy (e.g. of a sharder holding these counters)
+    # gets the counts so far and a lock of its own.
+    def __getstate__(self) -> Dict[str, object]:
+        with self._lock:
+            return {"_slots": dict(self._slots)}
+
+    def __setstate__(self, state: Dict[str, object]) -> None:
+        self._slots = state["_slots"]
+        self._lock = threading.Lock()
 
     def slot(self, key: str, device: torch.device) -> torch.Tensor:
         """The 1-element int64 tensor on ``device`` that counts ``key``."""
@@ -127,6 +155,9 @@ class Fp8CommCodec:
         counters: where to count non-finite values; a private one when ``None``.
         block_source: how ``block`` was chosen (shown in ``repr``): ``"row"``, ``"fixed"`` or
             ``"default"``.
+        sync_carrier: the float dtype the values travel in on TorchRec's sync path while
+            gradients are needed (``torch.bfloat16`` or ``torch.float32``): the gradient comes
+            back in it.
 
     Example::
 
@@ -149,6 +180,7 @@ class Fp8CommCodec:
         name: str = "fp8",
         counters: Optional[NonFiniteCounters] = None,
         block_source: str = "fixed",
+        sync_carrier: torch.dtype = torch.bfloat16,
     ) -> None:
         self.fmt = Fp8Format.parse(fmt, field="fmt")
         if self.fmt not in wire.SUPPORTED_FORMATS:
@@ -161,6 +193,9 @@ class Fp8CommCodec:
             raise ValueError(f"kernel: expected 'auto', 'torch' or 'triton', got {kernel!r}")
         if kernel == "triton" and not wire.HAS_TRITON:
             raise ValueError("kernel='triton' but triton is not importable; use kernel='auto' or 'torch'")
+        if sync_carrier not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"sync_carrier: expected torch.bfloat16 or torch.float32, got {sync_carrier}")
+        self.sync_carrier = sync_carrier
         self.block = block
         self.scale_format = scale_format
         self.kernel = kernel
@@ -175,15 +210,43 @@ class Fp8CommCodec:
         return torch.uint8
 
     def create_context(self) -> CommCodecContext:
-        return CommCodecContext(block=self.block)
+        """A context for one collective; on TorchRec's sync path with autograd on, a float carrier.
+
+        TorchRec's sync path sends the payload's gradient back through the same all-to-all, in
+        the payload's dtype and divided by the world size, and never calls the ``backward``
+        codec: FP8 bytes would cut the gradient (embeddings get none, or the backward raises
+        "element 0 of tensors does not require grad"). There the values travel as
+        ``sync_carrier`` (logged once per codec), and FP8 stays for the async path and for
+        sync collectives under ``torch.no_grad()``.
+        """
+        ctx = CommCodecContext(block=self.block)
+        if torch.is_grad_enabled() and get_use_sync_collectives():
+            ctx.carrier = self.sync_carrier
+            if self.name not in _warned_sync:
+                _warned_sync.add(self.name)
+                logger.warning(
+                    "loka comms: %s runs on TorchRec's sync collectives, which send gradients back in the "
+                    "payload's dtype; FP8 bytes cannot carry them, so it uses %s while gradients are needed",
+                    self.name,
+                    str(self.sync_carrier).replace("torch.", ""),
+                )
+        return ctx
 
     def encode(self, input_tensor: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
-        """``(..., )`` float tensor -> 1-D ``uint8`` payload (records of ``block`` values + scale)."""
+        """``(..., )`` float tensor -> 1-D ``uint8`` payload (records of ``block`` values + scale).
+
+        With ``ctx.carrier`` set (sync path, see :meth:`create_context`): a differentiable cast
+        to that dtype, shape kept.
+        """
         if not input_tensor.is_floating_point():
             raise TypeError(f"{self.name}: encode expects a floating point tensor, got {input_tensor.dtype}")
         block = self._block(ctx)
         if ctx is not None:
             ctx.dtype = input_tensor.dtype
+            if ctx.carrier is not None:
+                with record_function(f"## loka {ctx.carrier} encode {self.name} ##"):
+                    self.counters.slot(f"{self.name}/sent", input_tensor.device).add_((~torch.isfinite(input_tensor)).sum())
+                    return input_tensor.to(ctx.carrier)
         with record_function(f"## loka fp8 encode {self.name} ##"):
             count = self.counters.slot(f"{self.name}/sent", input_tensor.device)
             return wire.encode(
@@ -195,6 +258,10 @@ class Fp8CommCodec:
         """1-D ``uint8`` payload (any number of senders) -> 1-D tensor of ``ctx.dtype`` (else fp32)."""
         block = self._block(ctx)
         out_dtype = ctx.dtype if ctx is not None and ctx.dtype is not None else torch.float32
+        if ctx is not None and ctx.carrier is not None:
+            with record_function(f"## loka {ctx.carrier} decode {self.name} ##"):
+                self.counters.slot(f"{self.name}/received", input_grad.device).add_((~torch.isfinite(input_grad)).sum())
+                return input_grad.to(out_dtype)
         with record_function(f"## loka fp8 decode {self.name} ##"):
             count = self.counters.slot(f"{self.name}/received", input_grad.device)
             return wire.decode(
@@ -203,7 +270,9 @@ class Fp8CommCodec:
             )  # fmt: skip
 
     def calc_quantized_size(self, input_len: int, ctx: Optional[CommCodecContext] = None) -> int:
-        """Payload length in bytes of ``input_len`` values (a multiple of the block)."""
+        """Payload length in bytes of ``input_len`` values (a multiple of the block); ``input_len`` with a carrier."""
+        if ctx is not None and ctx.carrier is not None:
+            return input_len
         block = self._block(ctx)
         if input_len % block:
             raise ValueError(
@@ -224,6 +293,8 @@ class Fp8CommCodec:
         """Pad each rank's embedding width to a multiple of the block: ``(padded width, padding)``."""
         if input_tensor.dim() == 1:
             return input_tensor.shape[0], 0
+        if qcomm_ctx is not None and qcomm_ctx.carrier is not None:
+            return input_tensor.shape[1], 0
         block = self._block(qcomm_ctx)
         padding = [(-dim_sum) % block for dim_sum in dim_per_rank]
         if not any(padding):

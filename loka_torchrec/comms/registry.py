@@ -7,6 +7,7 @@ import math
 from functools import reduce
 from typing import Dict, Iterable, Optional, Tuple
 
+import torch
 from torchrec.distributed.types import CommOp, QuantizedCommCodecs
 
 from loka_torchrec.comms.codec import Bf16CommCodec, Fp8CommCodec, Fp32CommCodec, NonFiniteCounters
@@ -98,6 +99,9 @@ def registry(
             block,
         )
     counters = counters if counters is not None else NonFiniteCounters()
+    # TorchRec's sync collectives send the gradient back in the forward payload's dtype: at least
+    # as precise as the configured backward precision.
+    sync_carrier = torch.float32 if config.backward == "fp32" else torch.bfloat16
     out: Dict[str, QuantizedCommCodecs] = {}
     for op in COMM_OPS:
         codecs = {}
@@ -119,7 +123,7 @@ def registry(
             if precision == "fp8":
                 codecs[direction] = Fp8CommCodec(
                     fmt, block=block, scale_format=config.scale_format, kernel=config.kernel,
-                    name=name, counters=counters, block_source=source,
+                    name=name, counters=counters, block_source=source, sync_carrier=sync_carrier,
                 )  # fmt: skip
             elif precision == "bf16":
                 codecs[direction] = Bf16CommCodec(name=name, counters=counters)

@@ -60,7 +60,7 @@ from loka_torchrec.probe.merge import all_reduce_statistics, is_distributed, ran
 from loka_torchrec.probe.quantify import LayerSnapshot
 from loka_torchrec.gemm.speed import SpeedCache
 from loka_torchrec.probe.statistics import TensorStatistics
-from loka_torchrec.probe.valve import Trigger, check_shift, describe
+from loka_torchrec.probe.valve import Trigger, check_shift, describe, nonfinite_spread
 
 __all__ = ["ProbeCallback", "canonical_fqn", "default_candidates"]
 
@@ -562,6 +562,12 @@ class ProbeCallback:
                 triggers += check_shift("grad", ref, digest.merged_grad, self.config)
             if digest.weight["nonfinite"]:
                 triggers.append(Trigger("weight", "nonfinite", float(digest.weight["nonfinite"]), 0.0, 0.0))
+            # Name the recipes that spread an inf/NaN (tensorwise: the whole product turns NaN).
+            kernels = getattr(state.module, "kernels", None)
+            triggers = [
+                dataclasses.replace(t, spread=nonfinite_spread(t.tensor, kernels)) if t.signal == "nonfinite" else t
+                for t in triggers
+            ]
             if state.state == "planned":
                 action = "fallback" if triggers else "ok"
             elif state.state == "fallback":

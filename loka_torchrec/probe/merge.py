@@ -71,6 +71,7 @@ def all_reduce_statistics(stats: Sequence[TensorStatistics], group: Optional[Any
             (s.mean * s.count).to(device),
             torch.stack([s.sum_sq, s.sum_4th, s.sum_row_ms_sq, s.nonfinite, s.saturation]).to(device),
             s.underflow.reshape(-1).to(device),
+            s.below_floor.to(device),
         ]
     sums = _all_reduce(torch.cat(parts), dist.ReduceOp.SUM, group).cpu()  # one device-to-host copy
 
@@ -93,6 +94,8 @@ def all_reduce_statistics(stats: Sequence[TensorStatistics], group: Optional[Any
         offset += 5
         out.underflow = sums[offset : offset + s.underflow.numel()].reshape(s.underflow.shape).to(s.device)
         offset += s.underflow.numel()
+        out.below_floor = sums[offset : offset + s.below_floor.numel()].to(s.device)
+        offset += s.below_floor.numel()
         out.amax = maxima[i, 0].to(s.device)
         out.max_rows = int(maxima[i, 1])
         if out.count:

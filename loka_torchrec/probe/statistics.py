@@ -17,6 +17,11 @@ in float64:
   history of earlier probe steps) would saturate. A scale from the current amax never
   saturates, and ``fp8_max / amax`` saturates the same elements in every format, so saturation
   is one number.
+* per scaling granularity, the count of nonzero elements in groups whose amax is below the
+  scaling floor :data:`~loka_torchrec.fp8.scaling.AMAX_EPS` (1e-12): the quantizer clamps such
+  an amax up to the floor, so the group does not fill the FP8 range and its values keep only a
+  few bits, or flush to zero (below about 2e-18 in E4M3), where ``nn.Linear`` keeps them. The
+  underflow counts above use the clamped amax, so they include those flushes.
 
 Rows are folded in with the batched Welford update of Chan, Golub and LeVeque: a batch's own mean
 and scatter are computed around the batch mean and combined with the running ones through the
@@ -41,6 +46,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.fp8.scaling import AMAX_EPS
 
 __all__ = ["TensorStatistics", "PROBE_FORMATS", "PROBE_GRANULARITIES", "covariance_subset"]
 
@@ -117,8 +123,17 @@ class TensorStatistics:
         self.nonfinite = torch.zeros((), **f64)
         self.underflow = torch.zeros(len(PROBE_FORMATS), len(PROBE_GRANULARITIES), **f64)
         self.saturation = torch.zeros((), **f64)
+        self.below_floor = torch.zeros(len(PROBE_GRANULARITIES), **f64)
 
-    _TENSORS = ("mean", "m2_diag", "m2_cov", "sum_sq", "sum_4th", "sum_row_ms_sq", "amax", "nonfinite", "underflow", "saturation")
+    _TENSORS = (
+        "mean", "m2_diag", "m2_cov", "sum_sq", "sum_4th", "sum_row_ms_sq", "amax", "nonfinite", "underflow", "saturation",
+        "below_floor",
+    )  # fmt: skip
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "below_floor" not in state:  # statistics pickled before the floor was counted
+            self.below_floor = torch.zeros(len(PROBE_GRANULARITIES), dtype=torch.float64, device=self._device)
     _COUNTS = ("count", "light_rows", "numel", "max_rows", "sat_numel")
 
     @property
@@ -227,6 +242,13 @@ class TensorStatistics:
             "tensorwise": amax_call.to(absx.dtype).expand(rows, 1),
             "rowwise": absx.amax(dim=1, keepdim=True),
         }
+        # Groups with 0 < amax < AMAX_EPS: the quantizer clamps their amax up to the floor. Count
+        # their nonzero elements (all on the device, no host sync) and use the clamped amax below.
+        nonzero_per_row = torch.count_nonzero(absx, dim=1).to(torch.float64)
+        self.below_floor += torch.stack(
+            [(nonzero_per_row * ((amax_by_gran[gran][:, 0] > 0) & (amax_by_gran[gran][:, 0] < AMAX_EPS))).sum() for gran in PROBE_GRANULARITIES]
+        )
+        amax_by_gran = {gran: amax.clamp(min=AMAX_EPS) for gran, amax in amax_by_gran.items()}
         thresholds = torch.stack(
             [amax_by_gran[gran] * (fmt.smallest_subnormal / (2.0 * fmt.max)) for fmt in PROBE_FORMATS for gran in PROBE_GRANULARITIES]
         )  # (formats * granularities, rows, 1)
@@ -284,7 +306,7 @@ class TensorStatistics:
         if other.device != self.device:
             other = other.clone().to(self.device)
         self._combine(other.count, other.mean, other.m2_diag, other.m2_cov)
-        for name in ("sum_sq", "sum_4th", "sum_row_ms_sq", "nonfinite", "underflow", "saturation"):
+        for name in ("sum_sq", "sum_4th", "sum_row_ms_sq", "nonfinite", "underflow", "saturation", "below_floor"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.amax = torch.maximum(self.amax, other.amax)
         self.numel += other.numel
@@ -334,6 +356,11 @@ class TensorStatistics:
         j = PROBE_GRANULARITIES.index(granularity)
         return float(self.underflow[i, j]) / self.numel if self.numel else math.nan
 
+    def below_floor_fraction(self, granularity: str) -> float:
+        """Fraction of elements in ``granularity`` groups whose amax is below the scaling floor (1e-12)."""
+        j = PROBE_GRANULARITIES.index(granularity)
+        return float(self.below_floor[j]) / self.numel if self.numel else math.nan
+
     def saturation_fraction(self) -> float:
         """Fraction of elements beyond the delayed amax: what a delayed tensorwise scale clamps (any format)."""
         return float(self.saturation) / self.sat_numel if self.sat_numel else 0.0
@@ -346,10 +373,11 @@ class TensorStatistics:
         scalars = [self.amax, self.sum_sq, self.sum_4th, self.nonfinite, self.saturation]
         if self.count:
             scalars += [self.mean.norm(), self.variance().clamp(min=0).sqrt().mean()]
-        host = torch.cat([torch.stack(scalars).to(torch.float64), self.underflow.reshape(-1)]).tolist()
+        host = torch.cat([torch.stack(scalars).to(torch.float64), self.underflow.reshape(-1), self.below_floor]).tolist()
         amax, sum_sq, sum_4th, nonfinite, saturation = host[:5]
         mean_norm, std_mean = (host[5], host[6]) if self.count else (math.nan, math.nan)
-        under = host[-self.underflow.numel() :]
+        floor = host[len(host) - self.below_floor.numel() :]
+        under = host[len(host) - self.below_floor.numel() - self.underflow.numel() : len(host) - self.below_floor.numel()]
         n = self.numel
         m2, m4 = (sum_sq / n, sum_4th / n) if n else (math.nan, math.nan)
         g = len(PROBE_GRANULARITIES)
@@ -371,6 +399,8 @@ class TensorStatistics:
                 for i, fmt in enumerate(PROBE_FORMATS)
             },
             "saturation": saturation / self.sat_numel if self.sat_numel else 0.0,
+            # elements in groups whose amax is below the FP8 scaling floor (1e-12), per granularity
+            "below_floor": {gran: (floor[j] / n if n else math.nan) for j, gran in enumerate(PROBE_GRANULARITIES)},
         }
 
     def __repr__(self) -> str:

@@ -9,7 +9,9 @@ every rank reaches the same verdict. A layer trips on any of:
 * ``kurtosis_spike``: ``kurtosis > kurtosis_spike_ratio * reference kurtosis``;
 * ``underflow_rise``: an underflow fraction (any format, any granularity) rose by more than
   ``underflow_rise``;
-* ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``.
+* ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``;
+* ``below_floor``: the fraction of elements in groups whose amax is below the FP8 scaling floor
+  (1e-12, where FP8 loses them and ``nn.Linear`` keeps them) rose by more than ``underflow_rise``.
 
 A fraction measured on few elements is noisy (2 of 64 elements is already 3%), so a rise must
 also exceed ``NOISE_Z`` binomial standard errors of the probe step's fraction,
@@ -23,9 +25,10 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Optional
 
+from loka_torchrec.evidence import GemmRole
 from loka_torchrec.probe.config import ProbeConfig
 
-__all__ = ["Trigger", "check_shift", "describe", "NOISE_Z"]
+__all__ = ["Trigger", "check_shift", "describe", "nonfinite_spread", "NOISE_Z"]
 
 NOISE_Z = 4.0
 
@@ -35,11 +38,12 @@ class Trigger:
     """One reason to send a layer back to bf16, with the numbers that fired it."""
 
     tensor: str  # "act", "grad" or "weight"
-    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "saturation_rise"
+    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "saturation_rise", "below_floor"
     value: float
     reference: float
     bound: float
     detail: str = ""
+    spread: str = ""  # nonfinite: how the layer's FP8 recipes spread it (see nonfinite_spread)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,7 +51,12 @@ class Trigger:
     def __str__(self) -> str:
         where = f"{self.tensor}{'.' + self.detail if self.detail else ''}"
         if self.signal == "nonfinite":
-            return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)"
+            return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)" + (f" ({self.spread})" if self.spread else "")
+        if self.signal == "below_floor":
+            return (
+                f"{where} below_floor: {self.value:.4g} of the elements are in groups whose amax is below the FP8 "
+                f"scaling floor 1e-12, where FP8 flushes or coarsens them (reference {self.reference:.4g}, bound {self.bound:.4g})"
+            )
         return f"{where} {self.signal}: {self.value:.4g} (reference {self.reference:.4g}, bound {self.bound:.4g})"
 
 
@@ -98,11 +107,59 @@ def check_shift(tensor: str, reference: Optional[Mapping[str, Any]], window: Map
             value = float(value)
             if rose(value, ref_value, config.underflow_rise):
                 triggers.append(Trigger(tensor, "underflow_rise", value, ref_value, ref_value + config.underflow_rise, f"{fmt}.{gran}"))
+    floor, ref_floor = window.get("below_floor") or {}, reference.get("below_floor") or {}
+    for gran, value in sorted(floor.items()):
+        ref_value = float(ref_floor.get(gran, 0.0))  # references saved before the floor was counted: none
+        ref_value = ref_value if math.isfinite(ref_value) else 0.0
+        value = float(value)
+        if rose(value, ref_value, config.underflow_rise):
+            triggers.append(Trigger(tensor, "below_floor", value, ref_value, ref_value + config.underflow_rise, gran))
     sat, ref_sat = _num(window, "saturation"), _num(reference, "saturation")
     ref_sat = ref_sat if math.isfinite(ref_sat) else 0.0
     if rose(sat, ref_sat, config.saturation_rise):
         triggers.append(Trigger(tensor, "saturation_rise", sat, ref_sat, ref_sat + config.saturation_rise, "tensorwise_delayed"))
     return triggers
+
+
+# Which GEMMs read each tensor, and what each GEMM produces.
+_READERS = {"act": ("fwd", "wgrad"), "grad": ("dgrad", "wgrad"), "weight": ("fwd", "dgrad")}
+_PRODUCT = {"fwd": "output", "dgrad": "input gradient", "wgrad": "weight gradient"}
+
+
+def nonfinite_spread(tensor: str, kernels: Any) -> str:
+    """How the kernels a layer ran spread an inf/NaN of ``tensor`` (``"act"``, ``"grad"``, ``"weight"``).
+
+    A scaled FP8 GEMM gives an inf/NaN scaling group a NaN scale (see
+    :mod:`loka_torchrec.fp8.scaling`): with one scale per operand (``tensorwise``) a single NaN
+    makes the GEMM's whole product NaN; finer recipes keep it within the group's rows or blocks;
+    bf16 spreads it only as far as the arithmetic does.
+
+    Args:
+        tensor: the tensor that held the inf/NaN.
+        kernels: the layer's kernels: anything with ``for_role(role)`` returning a
+            ``KernelChoice`` (Dispatch's ``LayerKernels``); ``None`` gives ``""``.
+
+    Example::
+
+        >>> from loka_torchrec.evidence import BF16, KernelChoice
+        >>> class Kernels:
+        ...     def for_role(self, role):
+        ...         return KernelChoice("scaled_mm", "tensorwise") if role.value == "fwd" else BF16
+        >>> nonfinite_spread("act", Kernels())
+        'fwd scaled_mm:tensorwise: one scale for the whole operand, so the whole output turns NaN; wgrad bf16:hp: not FP8-scaled'
+    """
+    if kernels is None or not hasattr(kernels, "for_role") or tensor not in _READERS:
+        return ""
+    parts = []
+    for role in _READERS[tensor]:
+        choice = kernels.for_role(GemmRole(role))
+        if choice.is_high_precision:
+            parts.append(f"{role} {choice}: not FP8-scaled")
+        elif choice.recipe == "tensorwise":
+            parts.append(f"{role} {choice}: one scale for the whole operand, so the whole {_PRODUCT[role]} turns NaN")
+        else:
+            parts.append(f"{role} {choice}: {choice.recipe} scales, so NaN stays within the {_PRODUCT[role]} entries its scaling group feeds")
+    return "; ".join(parts)
 
 
 def describe(triggers: List[Trigger]) -> str:
