@@ -137,7 +137,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
             continue
         name = canonical_fqn(fqn)
         prefix = f"{name}." if name else ""
-        previous = {s.param_name: s for s in scoped_sites(module) if isinstance(s, ParameterSite)}
+        previous = {s.path: s for s in scoped_sites(module) if isinstance(s, ParameterSite)}
         sites: List[nn.Module] = []
         mha_problem = _mha_unsupported(module) if isinstance(module, nn.MultiheadAttention) else None
         for holder, key, path, attr in _own_parameters(module):
@@ -166,7 +166,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
                     except (OSError, TypeError):
                         layout = "linear"  # no source to read: the first call reorients the site if needed
                 site = ParameterSite(holder, key, layout=layout, grad_format=grad_format)
-                site.param_name = path
+                site.path = path
             reason = _selected(pname, site, config)
             if reason:
                 report.skipped.append((pname, reason))

@@ -123,6 +123,7 @@ class ParameterSite(GemmSite):
         # it would list the Parameter twice.
         object.__setattr__(self, "_holder", holder)
         self.param_name = param_name
+        self.path = param_name  # relative to the scope ("W_kernels.0" for a ParameterList entry)
         self.layout = layout
         self.out_features, self.in_features = self._dims(param, layout)
         self.unreached_calls: Dict[str, str] = {}
@@ -151,7 +152,7 @@ class ParameterSite(GemmSite):
             return True
         if compiling() or self.last_rows or self.operand.shape[0] == self.operand.shape[1]:
             return False
-        logger.info("dispatch: site %s is multiplied as %s, not %s: reoriented", self.param_name, layout, self.layout)
+        logger.info("dispatch: site %s is multiplied as %s, not %s: reoriented", self.path, layout, self.layout)
         self.layout = layout
         self.out_features, self.in_features = self._dims(self.operand, layout)
         self.set_kernels(self.kernels)
@@ -170,7 +171,7 @@ class ParameterSite(GemmSite):
         return self._site_forward(input, self.weight, bias)
 
     def _shape_repr(self) -> str:
-        return f"{self.param_name}, layout={self.layout}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.path}, layout={self.layout}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 # ------------------------------------------------------------------------------------- handlers
@@ -192,7 +193,7 @@ def _call_site(site: GemmSite, x: torch.Tensor, bias: Optional[torch.Tensor]) ->
 def _note(site: GemmSite, key: str, reason: str) -> None:
     if not compiling() and isinstance(site, ParameterSite) and key not in site.unreached_calls:
         site.unreached_calls[key] = reason
-        logger.warning("dispatch: %s: %s runs in high precision: %s", site.param_name, key, reason)
+        logger.warning("dispatch: %s: %s runs in high precision: %s", site.path, key, reason)
 
 
 def _oriented(site: GemmSite, layout: str, key: str) -> bool:
@@ -408,7 +409,7 @@ def scope_module(module: nn.Module, sites: Sequence[GemmSite]) -> None:
     ``_loka_sites`` (no parameters, nothing persistent: ``state_dict`` keys are unchanged)."""
     own = [s for s in sites if isinstance(s, ParameterSite)]
     if own:
-        module._loka_sites = nn.ModuleDict({s.param_name.replace(".", "_"): s for s in own})
+        module._loka_sites = nn.ModuleDict({s.path.replace(".", "_"): s for s in own})
     module.forward = functools.partial(_scoped_forward, module, SiteMode(sites))
 
 
