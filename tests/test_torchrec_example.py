@@ -29,6 +29,6 @@ def test_example_without_loka():
 @pytest.mark.slow
 def test_example_with_loka_runs_fp8():
     out = run_example("--loka", "--loka_mode", "all:scaled_mm:rowwise")
-    assert "LoKA converted 5 linear layer(s)" in out
+    assert "LoKA made 5 GEMM site(s)" in out
     assert "15/15 GEMMs in FP8" in out
     assert "step 10 loss" in out
