@@ -21,7 +21,8 @@ class ApplyReport:
     """What :func:`apply` changed.
 
     Attributes:
-        converted: ``(fqn, in_features, out_features)`` of each layer now a ``LokaLinear``.
+        converted: ``(fqn, in_features, out_features)`` of each GEMM site: a layer now a
+            ``LokaLinear``, or a Parameter multiplied through a ``ParameterSite``.
         skipped: ``(fqn, reason)`` of each GEMM-like module left in high precision.
         mods: the model mods' own report (``None`` when no mod ran).
         dispatcher: the runtime that owns the plan; call ``dispatcher.on_step_end(step)`` after
@@ -34,7 +35,7 @@ class ApplyReport:
     dispatcher: Dispatcher
 
     def __str__(self) -> str:
-        lines = [f"LoKA converted {len(self.converted)} linear layer(s) to LokaLinear:"]
+        lines = [f"LoKA made {len(self.converted)} GEMM site(s) (LokaLinear layers and Parameter sites):"]
         lines += [f"  {name}: {fan_in} -> {fan_out}" for name, fan_in, fan_out in self.converted]
         if self.skipped:
             lines.append(f"left in high precision ({len(self.skipped)}):")
@@ -95,5 +96,7 @@ def apply(
 
         mods_report = apply_mods(model, mods_config)
     layers, conversion = convert_linears(model, config.dispatch)
-    dispatcher = Dispatcher(layers, config.dispatch, run_dir=run_dir, process_group=process_group)
+    dispatcher = Dispatcher(
+        layers, config.dispatch, run_dir=run_dir, process_group=process_group, unreached=conversion.unreached
+    )
     return ApplyReport(conversion.converted, conversion.skipped, mods_report, dispatcher)

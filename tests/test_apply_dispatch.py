@@ -61,7 +61,7 @@ def test_apply_include_exclude_and_min_features():
     assert "dispatch.exclude" in reasons["4"] and "min_features" in reasons["0"]
 
 
-def test_apply_on_torchrec_dlrm_and_dcn_reports_raw_matmul_modules():
+def test_apply_on_torchrec_dlrm_and_dcn_reaches_raw_matmul_modules():
     from torchrec.models.dlrm import DLRM, DLRM_DCN
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -72,9 +72,12 @@ def test_apply_on_torchrec_dlrm_and_dcn_reports_raw_matmul_modules():
     assert len(report.converted) == 4 and not any("Embedding" in n for n, _, _ in report.converted)
     dcn = DLRM_DCN(EmbeddingBagCollection(tables=tables), 4, [16, 8], [16, 1], dcn_num_layers=2, dcn_low_rank_dim=4)
     report = loka_torchrec.apply(dcn, DispatchConfig(mode="all-bf16"))
-    skipped = dict(report.skipped)
-    assert any("LowRankCrossNet" in reason for reason in skipped.values()), skipped
-    assert "LowRankCrossNet" in str(report)
+    converted = {n for n, _, _ in report.converted}
+    # LowRankCrossNet calls F.linear on its ParameterList entries: each is a Parameter site
+    assert {"inter_arch.crossnet.V_kernels.0", "inter_arch.crossnet.W_kernels.1"} <= converted, converted
+    crossnet = dcn.inter_arch.crossnet
+    crossnet(torch.randn(3, crossnet.V_kernels[0].shape[1])).sum().backward()
+    assert report.dispatcher.managed_layers()["inter_arch.crossnet.V_kernels.0"].last_rows == 3
 
 
 def test_unknown_and_unavailable_backends():

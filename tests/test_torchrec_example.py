@@ -34,7 +34,7 @@ def test_example_with_loka_probes_plans_and_compresses_comms(tmp_path):
     evidence makes the plan, the all-to-all runs through the FP8 codecs, and loka-inspect reads it."""
     run_dir = tmp_path / "run"
     out = run_example("--loka", "--steps", "24", "--run_dir", str(run_dir), "--probe_warmup", "10")
-    assert "LoKA converted 5 linear layer(s)" in out and "comms: forward fp8, backward bf16" in out
+    assert "LoKA made 5 GEMM site(s)" in out and "comms: forward fp8, backward bf16" in out
     assert "step 20 loss" in out
     plan = json.loads((run_dir / "dispatch_plan.json").read_text())
     assert 0 < plan["step"] <= 10 and plan["mode"] == "policy"  # planned within the warm-up...

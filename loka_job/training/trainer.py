@@ -687,6 +687,8 @@ class Trainer:
             "plan": plan.summary() + (" (not running: the step-time guard returned every GEMM to bf16)" if self.loka.dispatcher.step_guard_reason else ""),
             "fp8_gemms": 0 if self.loka.dispatcher.step_guard_reason else plan.fp8_gemm_count(),
             "kernels": plan.counts(),
+            "never_ran": dict(plan.never_ran),  # converted sites that did not run (not counted above)
+            "coverage": dict(plan.coverage),  # share of linear multiply-adds per row that Dispatch manages
             "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),
             "fallen_back": self.loka.dispatcher.fallen_back,
             "step_guard": self.loka.dispatcher.step_guard_reason,

@@ -1,9 +1,10 @@
-"""Swap ``nn.Linear`` layers for ``LokaLinear`` and report what changed and what did not."""
+"""Make every GEMM of a model a Dispatch site (``LokaLinear``, Parameter sites) and report what was not reached."""
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,16 +36,22 @@ class ConversionReport:
     """What :func:`convert_linears` did.
 
     Attributes:
-        converted: ``(fqn, in_features, out_features)`` of every layer now a ``LokaLinear``.
-        skipped: ``(fqn, reason)`` of every GEMM-like module left alone.
+        converted: ``(fqn, in_features, out_features)`` of every GEMM site Dispatch now manages
+            (``LokaLinear`` modules by module FQN, Parameter sites by the Parameter's FQN).
+        skipped: ``(fqn, reason)`` of every GEMM-like module or Parameter left alone.
+        unreached: fqn -> multiply-adds per forward row of each GEMM left in high precision (the
+            coverage denominator adds these to the managed sites').
+        scopes: FQNs of the modules whose forward now runs under a :class:`~loka_torchrec.dispatch.sites.SiteMode`.
     """
 
     converted: List[Tuple[str, int, int]] = dataclasses.field(default_factory=list)
     skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+    unreached: Dict[str, int] = dataclasses.field(default_factory=dict)
+    scopes: List[str] = dataclasses.field(default_factory=list)
 
 
-def _selected(fqn: str, module: nn.Linear, config: DispatchConfig) -> Optional[str]:
-    """``None`` if ``module`` is to be converted, else the reason it is not."""
+def _selected(fqn: str, module: nn.Module, config: DispatchConfig) -> Optional[str]:
+    """``None`` if ``module`` (anything with ``in_features``/``out_features``) is to be converted, else why not."""
     if not any(fnmatch.fnmatchcase(fqn, pattern) for pattern in config.include):
         return f"not matched by dispatch.include {list(config.include)}"
     hit = next((p for p in config.exclude if fnmatch.fnmatchcase(fqn, p)), None)
@@ -55,35 +62,59 @@ def _selected(fqn: str, module: nn.Linear, config: DispatchConfig) -> Optional[s
     return None
 
 
-def _raw_matmul_owner(module: nn.Module) -> bool:
-    """A non-Linear module holding its own 2-D weight parameters (e.g. TorchRec's LowRankCrossNet)."""
-    name = type(module).__name__
-    containers = (nn.ParameterList, nn.ParameterDict)
-    if isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag) + containers) or "Embedding" in name:
-        return False
-    own = list(module.parameters(recurse=False))
-    for child in module.children():
-        if isinstance(child, containers):  # parameters kept in a list are still the module's own
-            own.extend(child.parameters())
-    return any(p.dim() == 2 for p in own)
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def _not_a_gemm_owner(module: nn.Module) -> bool:
+    from loka_torchrec.dispatch.linear import GemmSite
+
+    kinds = (nn.Linear, GemmSite, nn.Embedding, nn.EmbeddingBag, nn.ModuleDict) + _CONTAINERS
+    return isinstance(module, kinds) or "Embedding" in type(module).__name__
+
+
+def _own_parameters(module: nn.Module) -> List[Tuple[nn.Module, str, str, str]]:
+    """``(holder, key, path, attr)`` of the Parameters ``module`` owns, list/dict entries included:
+    ``path`` is relative to ``module``, ``attr`` the attribute its forward reads."""
+    out = [(module, k, k, k) for k, p in module._parameters.items() if p is not None]
+    for child_name, child in module.named_children():
+        if isinstance(child, _CONTAINERS):
+            out += [(child, k, f"{child_name}.{k}", child_name) for k, p in child._parameters.items() if p is not None]
+    return out
+
+
+def _mha_unsupported(module: nn.MultiheadAttention) -> Optional[str]:
+    if not module._qkv_same_embed_dim:
+        return "separate q/k/v projection weights (kdim/vdim != embed_dim)"
+    if module.bias_k is not None or module.add_zero_attn:
+        return "bias_k/bias_v or add_zero_attn"
+    return None
 
 
 def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str, nn.Module], ConversionReport]:
-    """Replace selected ``nn.Linear`` modules of ``model`` in place by ``LokaLinear``.
+    """Make every selected GEMM of ``model`` a Dispatch site, in place; report what was not reached.
 
-    The new modules share the old ones' ``Parameter`` objects, so optimizers, DDP and DMP that
-    already hold them keep working, and state_dict keys are unchanged.
+    * ``nn.Linear`` modules become ``LokaLinear`` (sharing their ``Parameter`` objects);
+    * 2-D Parameters that a module multiplies by itself (``F.linear``, ``@``, ``mm``, ``addmm``,
+      ``einsum``; ``nn.MultiheadAttention``'s in- and out-projections) become
+      :class:`~loka_torchrec.dispatch.sites.ParameterSite` sites, reached through the owner's
+      :class:`~loka_torchrec.dispatch.sites.SiteMode` (see :mod:`loka_torchrec.dispatch.sites`).
+
+    Optimizers, DDP and DMP that already hold the parameters keep working, and state_dict keys
+    are unchanged.
 
     Returns:
-        canonical FQN -> ``LokaLinear`` of every converted layer, and the report.
+        canonical FQN -> site module of every converted GEMM, and the report.
     """
     from loka_torchrec.dispatch.linear import LokaLinear
+    from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, guess_layout, scope_module, scoped_sites
 
     grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
     report = ConversionReport()
     layers: Dict[str, nn.Module] = {}
     for fqn, module in list(model.named_modules()):
         name = canonical_fqn(fqn)
+        if isinstance(module, ParameterSite):
+            continue  # an earlier apply's site: registered with its scope below
         if isinstance(module, LokaLinear):
             layers[name] = module
             report.converted.append((name, module.in_features, module.out_features))
@@ -92,6 +123,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
             reason = _selected(name, module, config)
             if reason:
                 report.skipped.append((name, reason))
+                report.unreached[name] = module.in_features * module.out_features
                 continue
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -99,8 +131,61 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
             setattr(parent, child, new)
             layers[name] = new
             report.converted.append((name, module.in_features, module.out_features))
-        elif _raw_matmul_owner(module):
-            report.skipped.append(
-                (name, f"{type(module).__name__} multiplies by its own Parameters (not nn.Linear): left in high precision")
-            )
+
+    for fqn, module in list(model.named_modules()):
+        if _not_a_gemm_owner(module):
+            continue
+        name = canonical_fqn(fqn)
+        prefix = f"{name}." if name else ""
+        previous = {s.path: s for s in scoped_sites(module) if isinstance(s, ParameterSite)}
+        sites: List[nn.Module] = []
+        mha_problem = _mha_unsupported(module) if isinstance(module, nn.MultiheadAttention) else None
+        for holder, key, path, attr in _own_parameters(module):
+            param = holder._parameters[key]
+            pname = prefix + path
+            if not param.is_floating_point() or not param.requires_grad or param.dim() < 2:
+                continue
+            if param.dim() > 2:
+                if min(param.shape[-2:]) > 1:
+                    report.skipped.append((pname, f"{param.dim()}-D Parameter of {type(module).__name__}: a batched GEMM (bmm/baddbmm) is not a site"))
+                    report.unreached[pname] = int(param[0].numel())
+                continue
+            if mha_problem is not None:
+                report.skipped.append((pname, f"MultiheadAttention with {mha_problem}: left in high precision"))
+                report.unreached[pname] = int(param.numel())
+                continue
+            if path in previous:
+                site = previous[path]
+            else:
+                layout = "linear" if isinstance(module, nn.MultiheadAttention) else guess_layout(type(module), attr)
+                if layout is None:
+                    try:
+                        inspect.getsource(type(module))
+                        report.skipped.append((pname, f"{type(module).__name__}'s source multiplies no GEMM by it: left as is"))
+                        continue
+                    except (OSError, TypeError):
+                        layout = "linear"  # no source to read: the first call reorients the site if needed
+                site = ParameterSite(holder, key, layout=layout, grad_format=grad_format)
+                site.path = path
+            reason = _selected(pname, site, config)
+            if reason:
+                report.skipped.append((pname, reason))
+                report.unreached[pname] = site.in_features * site.out_features
+                continue
+            sites.append(site)
+            layers[pname] = site
+            report.converted.append((pname, site.in_features, site.out_features))
+        if isinstance(module, nn.MultiheadAttention) and isinstance(module.out_proj, LokaLinear):
+            if mha_problem is None:
+                sites.append(module.out_proj)  # MultiheadAttention reads out_proj.weight, never calls out_proj
+            else:  # it would never run: back to nn.Linear, reported as not reached
+                out_name = prefix + "out_proj"
+                module.out_proj = module.out_proj.to_linear()
+                layers.pop(out_name, None)
+                report.converted = [c for c in report.converted if c[0] != out_name]
+                report.skipped.append((out_name, f"MultiheadAttention with {mha_problem} reads out_proj.weight directly: left in high precision"))
+                report.unreached[out_name] = module.out_proj.in_features * module.out_proj.out_features
+        if sites or isinstance(module, FAST_PATH_MODULES):
+            scope_module(module, sites)
+            report.scopes.append(name)
     return layers, report

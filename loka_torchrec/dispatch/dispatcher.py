@@ -104,6 +104,8 @@ class Dispatcher(EvidenceConsumer):
         run_dir: where ``dispatch_plan.json`` and ``dispatch_events.jsonl`` go (rank 0 writes
             them); ``None`` writes nothing.
         process_group: ranks that must agree on the plan (default: the default group, if any).
+        unreached: GEMM -> multiply-adds per forward row of each GEMM left in high precision
+            (``ConversionReport.unreached``); the plan's coverage counts them.
     """
 
     def __init__(
@@ -113,8 +115,12 @@ class Dispatcher(EvidenceConsumer):
         *,
         run_dir: Optional[str] = None,
         process_group=None,
+        unreached: Optional[Dict[str, int]] = None,
     ) -> None:
         self.config = config
+        self._unreached = dict(unreached or {})
+        self._never_ran: Dict[str, str] = {}
+        self._ran_checked = False
         self.run_dir = run_dir
         self.process_group = process_group
         self._layers = dict(layers)
@@ -124,7 +130,7 @@ class Dispatcher(EvidenceConsumer):
         self.seconds = {"decide": 0.0, "layer_check": 0.0}  # host seconds spent planning, on this rank
         self.step_guard_reason: Optional[str] = None  # set when the guard sent every GEMM back to bf16
         self.events: List[dict] = []
-        self.plan: DispatchPlan = self._initial_plan()
+        self.plan: DispatchPlan = self._annotated(self._initial_plan())
         self._apply(self.plan)
 
     @property
@@ -180,7 +186,7 @@ class Dispatcher(EvidenceConsumer):
             if self.config.layer_check_reps > 0:
                 plan = self._check_layers(plan, step)
             self.seconds["layer_check"] += time.perf_counter() - t1
-        plan = self._broadcast(plan)
+        plan = self._annotated(self._broadcast(plan))
         self.plan = plan
         self._guard.restart()
         self._apply(plan)
@@ -268,7 +274,12 @@ class Dispatcher(EvidenceConsumer):
 
     # ------------------------------------------------------------------ training-loop hook
     def on_step_end(self, step: int) -> None:
-        """Call after each training step (``step`` counts from 1): plans from random evidence when due."""
+        """Call after each training step (``step`` counts from 1): plans from random evidence when due.
+
+        At the first step after which some site ran eagerly (``last_rows > 0``), the sites that did
+        not run are recorded as never ran (plan, ``dispatch_plan.json``, events).
+        """
+        self._check_ran(step)
         if self.config.mode == "policy" and self.config.evidence in ("random", "auto") and step == self.config.plan_at_step:
             evidence = self.measure_random(seed=step)
             self.replan(evidence, source="random", step=step)
@@ -315,6 +326,8 @@ class Dispatcher(EvidenceConsumer):
         files say what it runs. States of older checkpoints (plan and valve only) load too.
         """
         self.plan = DispatchPlan.from_dict(state["plan"])
+        self._never_ran = dict(self.plan.never_ran)
+        self._ran_checked = bool(self.plan.coverage.get("ran_checked", False))
         self._fallen_back = dict(state.get("fallen_back", {}))
         self.step_guard_reason = state.get("step_guard_reason")
         if "guard" in state:
@@ -327,6 +340,49 @@ class Dispatcher(EvidenceConsumer):
 
             write_text_atomic(os.path.join(self.run_dir, EVENTS_FILE), "".join(json.dumps(e) + "\n" for e in self.events))
         self._save_plan()
+
+    # ------------------------------------------------------------------ reach
+    @property
+    def never_ran(self) -> Dict[str, str]:
+        """Managed sites that did not run in the first eager training step(s), with why."""
+        return dict(self._never_ran)
+
+    def _check_ran(self, step: int) -> None:
+        # Compiled steps do not update last_rows; the first step after which any site has it is an
+        # eager one (the project's job runs its first steps eagerly), and it saw every site that runs.
+        if self._ran_checked or not any(int(getattr(m, "last_rows", 0) or 0) for m in self._layers.values()):
+            return
+        self._ran_checked = True
+        for name, module in self._layers.items():
+            if not int(getattr(module, "last_rows", 0) or 0):
+                self._never_ran[name] = _never_ran_reason(module)
+        self.plan = self._annotated(self.plan)
+        if self._never_ran:
+            self._record({"event": "never_ran", "step": step, "layers": dict(self._never_ran)})
+            if self._rank() == 0:
+                for name, reason in sorted(self._never_ran.items()):
+                    logger.warning("dispatch: converted site %s never ran by step %d: %s", name, step, reason)
+        self._save_plan()
+
+    def _annotated(self, plan: DispatchPlan) -> DispatchPlan:
+        """``plan`` with this run's never-ran sites and coverage."""
+        import dataclasses
+
+        managed = sum(m.in_features * m.out_features for n, m in self._layers.items() if n not in self._never_ran)
+        unreached = dict(self._unreached)
+        for name, reason in self._never_ran.items():
+            if not reason.startswith("not a GEMM operand"):
+                module = self._layers[name]
+                unreached[name] = module.in_features * module.out_features
+        total = managed + sum(unreached.values())
+        coverage = {
+            "managed_macs_per_row": managed,
+            "total_macs_per_row": total,
+            "share": round(managed / total, 4) if total else 1.0,
+            "ran_checked": self._ran_checked,
+            "unreached": dict(sorted(unreached.items())),
+        }
+        return dataclasses.replace(plan, never_ran=dict(self._never_ran), coverage=coverage)
 
     # ------------------------------------------------------------------ internals
     def _initial_plan(self) -> DispatchPlan:
@@ -447,3 +503,14 @@ class Dispatcher(EvidenceConsumer):
                 resolve_candidates(self.config, torch.device(device))
         self._verify_identical()
         self._save_plan()
+
+
+def _never_ran_reason(module: torch.nn.Module) -> str:
+    """Why a managed site has not run: what its scope saw of its Parameter, if anything."""
+    other = dict(getattr(module, "other_uses", {}) or {})
+    calls = dict(getattr(module, "unreached_calls", {}) or {})
+    if calls:
+        return "its GEMMs ran in high precision: " + "; ".join(f"{k}: {v}" for k, v in sorted(calls.items()))
+    if other:
+        return "not a GEMM operand: its Parameter is read by " + ", ".join(sorted(other))
+    return "not called in a training step (its weight is read elsewhere, or a fused path bypasses it)"

@@ -77,7 +77,7 @@ from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec, recipe_for
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity, quantize
 
-__all__ = ["LokaLinear", "compiling"]
+__all__ = ["GemmSite", "LokaLinear", "compiling"]
 
 logger = logging.getLogger(__name__)
 
@@ -450,39 +450,16 @@ class _LokaLinearFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------- module
-class LokaLinear(nn.Linear):
-    """``nn.Linear`` with a separately chosen kernel for each of its three GEMMs.
+class GemmSite(nn.Module):
+    """One GEMM site: ``y = x W^T + b`` whose three GEMMs each run on their own kernel.
 
-    Same parameters and ``state_dict`` keys as ``nn.Linear`` (``weight``, ``bias``), so checkpoints
-    move both ways. Compiles with ``torch.compile(fullgraph=True)``; see the module docstring for
-    what differs between compiled and eager calls.
-
-    Args:
-        in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
-        kernels: backend and recipe per GEMM role; default all high precision.
-        grad_format: FP8 format of the gradient operand (``A`` of ``dgrad`` and ``wgrad``).
-
-    Attributes:
-        last_rows: rows (product of the leading dims) of the last eager forward input; a Python int.
-        last_input_dtype, last_autocast_dtype: dtype of the last eager forward input, and the
-            autocast dtype it ran under (``None``: autocast off); the layer check times the layer so.
-        nonfinite_events: int64 scalar tensor on the layer's device (a non-persistent buffer, not
-            in ``state_dict``): scaling groups of FP8-quantized operands whose amax was inf or
-            NaN. Per rank (TorchRec's DDP wrapper does not broadcast buffers); reading it on the
-            host syncs.
-        fallback_reasons: role -> why the planned kernel cannot run on this layer's device (that
-            GEMM runs in high precision instead). Reset by :meth:`set_kernels`.
-
-    Example::
-
-        >>> from loka_torchrec.evidence import KernelChoice
-        >>> layer = LokaLinear(64, 32, kernels=LayerKernels(fwd=KernelChoice("emulated", "rowwise")))
-        >>> y = layer(torch.randn(2, 3, 64))
-        >>> y.sum().backward()
-        >>> tuple(y.shape), layer.last_rows, layer.weight.grad.shape
-        ((2, 3, 32), 6, torch.Size([32, 64]))
-        >>> layer
-        LokaLinear(in_features=64, out_features=32, bias=True, fwd=emulated:rowwise, dgrad=bf16:hp, wgrad=bf16:hp, grad_format=e4m3)
+    The base of every module Dispatch manages (:class:`LokaLinear`, and
+    :class:`~loka_torchrec.dispatch.sites.ParameterSite` for GEMMs on a module's own Parameters).
+    A subclass provides ``weight`` (``(out_features, in_features)``, possibly a view of a Parameter),
+    ``in_features``, ``out_features``, calls :meth:`_init_dispatch` once its weight exists, and runs
+    its GEMM through :meth:`_site_forward`. What the Dispatcher and the Probe read
+    (``kernels``/``set_kernels``, ``last_rows``, ``last_input_dtype``, ``last_autocast_dtype``,
+    ``grad_format``, ``fallback_reasons``, ``nonfinite_events``) lives here.
     """
 
     _nonfinite_count: torch.Tensor
@@ -490,20 +467,6 @@ class LokaLinear(nn.Linear):
     last_input_dtype: Optional[torch.dtype]
     last_autocast_dtype: Optional[torch.dtype]
     fallback_reasons: Dict[GemmRole, str]
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-        *,
-        kernels: LayerKernels = LayerKernels(),
-        grad_format: Fp8Format = Fp8Format.E4M3,
-    ) -> None:
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_dispatch(kernels, grad_format, self.weight.device)
 
     def _init_dispatch(self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device) -> None:
         # Non-persistent: a run-time counter, not model state; checkpoints stay nn.Linear's.
@@ -516,47 +479,6 @@ class LokaLinear(nn.Linear):
         self._grad_format = Fp8Format.parse(grad_format, field="grad_format")
         self._plan_device: Optional[torch.device] = None
         self.set_kernels(kernels)
-
-    # ----------------------------------------------------------------------------- conversion
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, *, kernels: LayerKernels = LayerKernels(), grad_format: Fp8Format = Fp8Format.E4M3
-    ) -> "LokaLinear":
-        """A ``LokaLinear`` that shares ``linear``'s ``Parameter`` objects (no copy).
-
-        Optimizers and wrappers built afterwards, or already holding those parameters, see the
-        same tensors. The training/eval mode is kept.
-
-        Args:
-            linear: the layer to wrap (any ``nn.Linear``, on any device).
-            kernels, grad_format: as for the constructor.
-        """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
-        if isinstance(linear.weight, nn.parameter.UninitializedParameter):
-            raise ValueError("linear: its weight is uninitialized (LazyLinear); run one forward first")
-        weight = linear.weight
-        # Built on 'meta' so nothing is allocated, then given linear's own parameters.
-        new = cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", dtype=weight.dtype,
-            kernels=kernels, grad_format=grad_format,
-        )  # fmt: skip
-        new.weight = weight
-        new.bias = linear.bias
-        new._nonfinite_count = torch.zeros((), dtype=torch.int64, device=weight.device)
-        new.set_kernels(kernels)  # planned for the real device now that the weight is there
-        new.train(linear.training)
-        return new
-
-    def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` sharing this layer's ``Parameter`` objects, in the same mode."""
-        linear = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=self.weight.dtype
-        )
-        linear.weight = self.weight
-        linear.bias = self.bias
-        linear.train(self.training)
-        return linear
 
     # ----------------------------------------------------------------------------- kernels
     @property
@@ -625,12 +547,12 @@ class LokaLinear(nn.Linear):
             return _RoleKernel(choice, recipe, align)
         message = f"{choice} cannot run {role.value} GEMM {shape} on {device}: {reason}"
         self.fallback_reasons[role] = message
-        logger.warning("LokaLinear(%d, %d): %s; using bf16:hp", self.in_features, self.out_features, message)
+        logger.warning("%s(%d, %d): %s; using bf16:hp", type(self).__name__, self.in_features, self.out_features, message)
         return _RoleKernel(BF16, None)
 
     # ----------------------------------------------------------------------------- forward
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """``y = x W^T + b`` with each GEMM on its planned kernel.
+    def _site_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``y = x W^T + b`` with each GEMM on its planned kernel (``weight`` (out, in), ``bias`` (out,) or ``None``).
 
         Args:
             input: ``(*, in_features)`` floating point tensor.
@@ -661,16 +583,17 @@ class LokaLinear(nn.Linear):
             self.last_autocast_dtype = torch.get_autocast_dtype(device_type) if autocast else None
         plan = self._plan
         if rows == 0:
-            return F.linear(input, self.weight, self.bias)  # nothing to quantize
+            return F.linear(input, weight, bias)  # nothing to quantize
         if autocast:
             if plan.all_high_precision:
-                return F.linear(input, self.weight, self.bias)  # exactly nn.Linear under autocast
+                return F.linear(input, weight, bias)  # exactly nn.Linear under autocast
             with torch.autocast(device_type, enabled=False):  # the kernels pick their own precision
-                return self._forward_planned(input.to(torch.get_autocast_dtype(device_type)), lead, rows, plan)
-        return self._forward_planned(input, lead, rows, plan)
+                return self._forward_planned(input.to(torch.get_autocast_dtype(device_type)), weight, bias, lead, rows, plan)
+        return self._forward_planned(input, weight, bias, lead, rows, plan)
 
-    def _forward_planned(self, input: torch.Tensor, lead: torch.Size, rows, plan: _LayerPlan) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+    def _forward_planned(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lead: torch.Size, rows, plan: _LayerPlan
+    ) -> torch.Tensor:
         if plan.all_high_precision and high_precision_dtype(input) == input.dtype == weight.dtype:
             return F.linear(input, weight, bias)  # exactly nn.Linear
         x2d = input.reshape(rows, self.in_features)
@@ -688,10 +611,13 @@ class LokaLinear(nn.Linear):
             self._nonfinite_count.add_(nonfinite)
         return y2d.reshape(*lead, self.out_features)
 
+    def _shape_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
     def extra_repr(self) -> str:
         k = self._kernels
         return (
-            f"{super().extra_repr()}, fwd={k.fwd}, dgrad={k.dgrad}, wgrad={k.wgrad}, "
+            f"{self._shape_repr()}, fwd={k.fwd}, dgrad={k.dgrad}, wgrad={k.wgrad}, "
             f"grad_format={self._grad_format.value}"
         )
 
@@ -708,3 +634,108 @@ class LokaLinear(nn.Linear):
         """Scaling groups with inf/NaN so far (int64 scalar on the layer's device; see the class docstring)."""
         self._count_pending()
         return self._nonfinite_count
+
+
+class LokaLinear(GemmSite, nn.Linear):
+    """``nn.Linear`` with a separately chosen kernel for each of its three GEMMs.
+
+    Same parameters and ``state_dict`` keys as ``nn.Linear`` (``weight``, ``bias``), so checkpoints
+    move both ways. Compiles with ``torch.compile(fullgraph=True)``; see the module docstring for
+    what differs between compiled and eager calls.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
+        kernels: backend and recipe per GEMM role; default all high precision.
+        grad_format: FP8 format of the gradient operand (``A`` of ``dgrad`` and ``wgrad``).
+
+    Attributes:
+        last_rows: rows (product of the leading dims) of the last eager forward input; a Python int.
+        last_input_dtype, last_autocast_dtype: dtype of the last eager forward input, and the
+            autocast dtype it ran under (``None``: autocast off); the layer check times the layer so.
+        nonfinite_events: int64 scalar tensor on the layer's device (a non-persistent buffer, not
+            in ``state_dict``): scaling groups of FP8-quantized operands whose amax was inf or
+            NaN. Per rank (TorchRec's DDP wrapper does not broadcast buffers); reading it on the
+            host syncs.
+        fallback_reasons: role -> why the planned kernel cannot run on this layer's device (that
+            GEMM runs in high precision instead). Reset by :meth:`set_kernels`.
+
+    Example::
+
+        >>> from loka_torchrec.evidence import KernelChoice
+        >>> layer = LokaLinear(64, 32, kernels=LayerKernels(fwd=KernelChoice("emulated", "rowwise")))
+        >>> y = layer(torch.randn(2, 3, 64))
+        >>> y.sum().backward()
+        >>> tuple(y.shape), layer.last_rows, layer.weight.grad.shape
+        ((2, 3, 32), 6, torch.Size([32, 64]))
+        >>> layer
+        LokaLinear(in_features=64, out_features=32, bias=True, fwd=emulated:rowwise, dgrad=bf16:hp, wgrad=bf16:hp, grad_format=e4m3)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        kernels: LayerKernels = LayerKernels(),
+        grad_format: Fp8Format = Fp8Format.E4M3,
+    ) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_dispatch(kernels, grad_format, self.weight.device)
+
+    # ----------------------------------------------------------------------------- conversion
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, kernels: LayerKernels = LayerKernels(), grad_format: Fp8Format = Fp8Format.E4M3
+    ) -> "LokaLinear":
+        """A ``LokaLinear`` that shares ``linear``'s ``Parameter`` objects (no copy).
+
+        Optimizers and wrappers built afterwards, or already holding those parameters, see the
+        same tensors. The training/eval mode is kept.
+
+        Args:
+            linear: the layer to wrap (any ``nn.Linear``, on any device).
+            kernels, grad_format: as for the constructor.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        if isinstance(linear.weight, nn.parameter.UninitializedParameter):
+            raise ValueError("linear: its weight is uninitialized (LazyLinear); run one forward first")
+        weight = linear.weight
+        # Built on 'meta' so nothing is allocated, then given linear's own parameters.
+        new = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", dtype=weight.dtype,
+            kernels=kernels, grad_format=grad_format,
+        )  # fmt: skip
+        new.weight = weight
+        new.bias = linear.bias
+        new._nonfinite_count = torch.zeros((), dtype=torch.int64, device=weight.device)
+        new.set_kernels(kernels)  # planned for the real device now that the weight is there
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this layer's ``Parameter`` objects, in the same mode."""
+        linear = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=self.weight.dtype
+        )
+        linear.weight = self.weight
+        linear.bias = self.bias
+        linear.train(self.training)
+        return linear
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``y = x W^T + b`` with each GEMM on its planned kernel (see :meth:`GemmSite._site_forward`).
+
+        Args:
+            input: ``(*, in_features)`` floating point tensor.
+
+        Returns:
+            ``(*, out_features)`` tensor, as ``nn.Linear`` returns it.
+        """
+        return self._site_forward(input, self.weight, self.bias)
+
+    def _shape_repr(self) -> str:
+        return nn.Linear.extra_repr(self)

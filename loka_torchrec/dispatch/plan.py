@@ -112,6 +112,12 @@ class DispatchPlan:
         step: the training step at which it was made.
         device: the device its evidence was measured on.
         gates: the policy's gates (``max_mere``, ``min_speedup``) when it was made.
+        never_ran: layer -> why, for each managed site that did not run in the first training
+            step(s) that ran eagerly; their GEMMs are not counted (:meth:`counts`).
+        coverage: the share of the model's linear multiply-adds per forward row that Dispatch
+            manages and that ran: ``managed_macs_per_row``, ``total_macs_per_row``, ``share``,
+            ``ran_checked`` (whether never-ran sites were detected yet) and ``unreached``
+            (GEMM -> multiply-adds per row left in high precision).
     """
 
     layers: Dict[str, LayerPlan]
@@ -119,6 +125,8 @@ class DispatchPlan:
     step: int = 0
     device: str = ""
     gates: Dict[str, float] = dataclasses.field(default_factory=dict)
+    never_ran: Dict[str, str] = dataclasses.field(default_factory=dict)
+    coverage: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
     def kernels(self) -> Dict[str, LayerKernels]:
@@ -134,7 +142,9 @@ class DispatchPlan:
     def counts(self) -> Dict[str, int]:
         """How many GEMMs run on each kernel, e.g. ``{"bf16:hp": 4, "scaled_mm:rowwise": 8}``."""
         out: Dict[str, int] = {}
-        for plan in self.layers.values():
+        for name, plan in self.layers.items():
+            if name in self.never_ran:
+                continue  # a GEMM that never ran is not one the plan runs
             for decision in plan.roles.values():
                 out[str(decision.choice)] = out.get(str(decision.choice), 0) + 1
         return dict(sorted(out.items()))
@@ -145,7 +155,13 @@ class DispatchPlan:
     def summary(self) -> str:
         total = sum(self.counts().values())
         parts = ", ".join(f"{k} x{n}" for k, n in self.counts().items())
-        return f"{self.fp8_gemm_count()}/{total} GEMMs in FP8 ({parts})"
+        text = f"{self.fp8_gemm_count()}/{total} GEMMs in FP8 ({parts})"
+        if self.coverage:
+            c = self.coverage
+            text += f"; Dispatch manages {100 * c['share']:.1f}% of the linear multiply-adds per row ({c['managed_macs_per_row']}/{c['total_macs_per_row']})"
+        if self.never_ran:
+            text += f"; {len(self.never_ran)} converted site(s) never ran: {', '.join(sorted(self.never_ran))}"
+        return text
 
     def table(self) -> str:
         """A plain-text table: layer, shape, and per role the kernel, MERE, speedup and reason."""
@@ -157,6 +173,9 @@ class DispatchPlan:
             table.add_column(col, overflow="fold")
         for name in sorted(self.layers):
             plan = self.layers[name]
+            if name in self.never_ran:
+                table.add_row(name, f"0 x {plan.in_features} -> {plan.out_features}", "-", "never ran", "-", "-", self.never_ran[name])
+                continue
             first = True
             for role in GemmRole:
                 if role not in plan.roles:
@@ -187,6 +206,8 @@ class DispatchPlan:
             "gates": dict(self.gates),
             "digest": self.digest(),
             "layers": {name: self.layers[name].to_dict() for name in sorted(self.layers)},
+            "never_ran": dict(sorted(self.never_ran.items())),
+            "coverage": dict(self.coverage),
         }
 
     @classmethod
@@ -202,6 +223,8 @@ class DispatchPlan:
             step=int(d.get("step", 0)),
             device=d.get("device", ""),
             gates=dict(d.get("gates", {})),
+            never_ran=dict(d.get("never_ran", {})),
+            coverage=dict(d.get("coverage", {})),
         )
         if "digest" in d and d["digest"] != plan.digest():
             raise ValueError("dispatch plan: its 'digest' does not match its layers (edited or corrupted file?)")

@@ -1,0 +1,503 @@
+"""GEMMs on a module's own Parameters as Dispatch sites, whatever function multiplies by them.
+
+``nn.Linear`` is not the only way a model multiplies by a weight. HSTU as its users write it calls
+``F.linear(x, self._uvqk_weight)`` and ``x @ self._output_weight``; TorchRec's ``LowRankCrossNet``
+calls ``F.linear`` on ``ParameterList`` entries; ``nn.MultiheadAttention`` passes
+``in_proj_weight`` and ``out_proj.weight`` to ``F.multi_head_attention_forward``, which never
+calls ``out_proj``; ``nn.TransformerEncoderLayer`` in eval takes a fused fast path that calls
+none of its linears. This module reaches those GEMMs.
+
+**The mechanism: a torch-function mode scoped to the owner's forward.** Every module that owns a
+2-D Parameter used as a GEMM operand (and every module with a fused fast path that would bypass
+its sites) is a *scope*: its ``forward`` runs under a :class:`SiteMode` that knows the scope's
+sites. The mode reroutes ``F.linear``, ``matmul``/``@``/``mm``, ``addmm`` and two-operand
+``einsum`` calls whose weight operand *is* one of those Parameters to the site, a
+:class:`ParameterSite`, and decomposes ``F.multi_head_attention_forward`` into its two projection
+sites around scaled-dot-product attention. Why this and not the alternatives:
+
+* it sees the call whatever the user wrote (a method, ``functools.partial``, a helper function),
+  where a module-adapter registry needs one hand-written adapter per model class;
+* Dynamo traces a torch-function mode entered inside the compiled region, so the site is one
+  ``_LokaLinearFunction.apply`` in the same graph as under ``LokaLinear`` (``fullgraph=True``, no
+  graph break, tested); an FX pass would need the user's model to trace symbolically (HSTU's
+  jagged, data-dependent shapes do not) and a second representation of the model;
+* it changes no Parameter and no ``state_dict`` key: a site holds a reference to its owner's
+  Parameter (a view when transposed), is a child module with no parameters and one
+  non-persistent buffer, and the scope's ``forward`` is an instance attribute;
+* with a mode active ``torch.overrides.has_torch_function`` is true, which is exactly what
+  PyTorch's MultiheadAttention/TransformerEncoderLayer fast paths refuse, so in eager mode (eval
+  included) they run the decomposed path and reach their sites.
+
+A :class:`ParameterSite` is a :class:`~loka_torchrec.dispatch.linear.GemmSite`, the base of
+``LokaLinear``: the same three role kernels, plan, evidence, Probe hooks (the mode calls the site
+as a module) and ``_LokaLinearFunction``; there is no second GEMM path. ``nn.Linear`` layers stay
+``LokaLinear`` modules (they are called as modules, the cheapest reach); the one ``nn.Linear``
+PyTorch never calls, MultiheadAttention's ``out_proj``, is reached by the attention handler.
+
+**Orientation.** A Parameter multiplied as ``F.linear(x, P)`` is ``(out, in)``; as ``x @ P`` it is
+``(in, out)`` and the site's ``weight`` is the view ``P.t()``. The orientation is read from the
+owner class's source when the site is made (:func:`guess_layout`) and corrected at the first eager
+call if the source misled (before the site ever ran; a square Parameter cannot be told apart and
+needs no correction). A call in an orientation the site does not have runs in high precision and is
+recorded in :attr:`ParameterSite.unreached_calls`.
+
+Not reached (high precision, reported by :func:`install_sites` or as "never ran" by the
+Dispatcher): batched GEMMs on 3-D Parameters (``bmm``/``baddbmm`` per-head weights), a Parameter
+used transposed in a way the site does not model (``P @ x`` for a ``(in, out)`` Parameter,
+``P.t()`` passed to a GEMM), MultiheadAttention with separate q/k/v weights, ``bias_k``/``bias_v``
+or ``add_zero_attn``, cross-attention's sliced in-projection, and (under ``torch.compile`` in
+eval/no_grad only) PyTorch's fused attention fast path, which Dynamo may take.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.linear import GemmSite, LokaLinear, compiling
+from loka_torchrec.fp8 import Fp8Format
+
+__all__ = ["ParameterSite", "SiteMode", "guess_layout", "scope_module", "FAST_PATH_MODULES"]
+
+logger = logging.getLogger(__name__)
+
+LINEAR, MATMUL = "linear", "matmul"
+FAST_PATH_MODULES: Tuple[type, ...] = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
+"""Modules whose forward has a fused fast path that bypasses their GEMMs: always scopes."""
+
+
+class ParameterSite(GemmSite):
+    """A GEMM on a Parameter that a module owns, as a Dispatch site (``y = x W^T + b``).
+
+    The Parameter stays where it is (same object, same ``state_dict`` key); the site only refers to
+    it. The owner's :class:`SiteMode` calls the site in place of the function that multiplied by it.
+
+    Args:
+        holder: the module whose ``_parameters`` holds the Parameter (a ``ParameterList`` for list
+            entries).
+        param_name: its key in ``holder._parameters``.
+        layout: ``"linear"`` (the Parameter is ``(out, in)``, as in ``F.linear``) or ``"matmul"``
+            (``(in, out)``, as in ``x @ P``).
+        kernels, grad_format: as for ``LokaLinear``.
+
+    Attributes:
+        unreached_calls: eager calls on the Parameter that ran in high precision, with why.
+        other_uses: functions that read the Parameter other than as a GEMM operand (eager).
+
+    Example::
+
+        >>> owner = nn.Module(); owner.w = nn.Parameter(torch.randn(4, 8))
+        >>> site = ParameterSite(owner, "w", layout="matmul")
+        >>> (site.in_features, site.out_features), site(torch.randn(3, 4)).shape
+        ((4, 8), torch.Size([3, 8]))
+    """
+
+    bias = None  # a site's bias, if any, is the call's own argument
+
+    def __init__(
+        self,
+        holder: nn.Module,
+        param_name: str,
+        *,
+        layout: str = LINEAR,
+        kernels: LayerKernels = LayerKernels(),
+        grad_format: Fp8Format = Fp8Format.E4M3,
+    ) -> None:
+        super().__init__()
+        if layout not in (LINEAR, MATMUL):
+            raise ValueError(f"layout: expected 'linear' or 'matmul', got {layout!r}")
+        param = holder._parameters.get(param_name)
+        if param is None or param.dim() != 2:
+            raise ValueError(f"param_name: {param_name!r} is not a 2-D Parameter of {type(holder).__name__}")
+        # Not a submodule (object.__setattr__): the holder is the site's parent's, and recursing into
+        # it would list the Parameter twice.
+        object.__setattr__(self, "_holder", holder)
+        self.param_name = param_name
+        self.path = param_name  # relative to the scope ("W_kernels.0" for a ParameterList entry)
+        self.layout = layout
+        self.out_features, self.in_features = self._dims(param, layout)
+        self.unreached_calls: Dict[str, str] = {}
+        self.other_uses: Dict[str, int] = {}
+        self._init_dispatch(kernels, grad_format, param.device)
+
+    @staticmethod
+    def _dims(param: torch.Tensor, layout: str) -> Tuple[int, int]:
+        rows, cols = int(param.shape[0]), int(param.shape[1])
+        return (rows, cols) if layout == LINEAR else (cols, rows)
+
+    @property
+    def operand(self) -> torch.Tensor:
+        """The Parameter itself, as the model passes it to a GEMM."""
+        return self._holder._parameters[self.param_name]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``(out_features, in_features)``: the Parameter, or its transposed view for ``"matmul"``."""
+        param = self.operand
+        return param if self.layout == LINEAR else param.t()
+
+    def reorient(self, layout: str) -> bool:
+        """Take ``layout`` if the site never ran yet (eager only); whether it now has it."""
+        if layout == self.layout:
+            return True
+        if compiling() or self.last_rows or self.operand.shape[0] == self.operand.shape[1]:
+            return False
+        logger.info("dispatch: site %s is multiplied as %s, not %s: reoriented", self.path, layout, self.layout)
+        self.layout = layout
+        self.out_features, self.in_features = self._dims(self.operand, layout)
+        self.set_kernels(self.kernels)
+        return True
+
+    def forward(self, input: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``y = x W^T + b``.
+
+        Args:
+            input: ``(*, in_features)``.
+            bias: ``(out_features,)`` or ``None``.
+
+        Returns:
+            ``(*, out_features)``.
+        """
+        return self._site_forward(input, self.weight, bias)
+
+    def _shape_repr(self) -> str:
+        return f"{self.path}, layout={self.layout}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+# ------------------------------------------------------------------------------------- handlers
+def _call_site(site: GemmSite, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Any:
+    """``site(x) + bias`` through the site, or ``NotImplemented`` where the call does not fit it."""
+    if not torch.is_tensor(x) or x.dim() == 0 or x.shape[-1] != site.in_features or not x.is_floating_point():
+        return NotImplemented
+    if isinstance(site, LokaLinear):  # an nn.Linear whose weight its parent reads (MultiheadAttention.out_proj)
+        if bias is site.bias:
+            return site(x)
+        if site.bias is None:
+            return site(x) if bias is None else site(x) + bias
+        return NotImplemented
+    if bias is None or (torch.is_tensor(bias) and bias.dim() == 1 and bias.shape[0] == site.out_features):
+        return site(x, bias)
+    return site(x) + bias
+
+
+def _note(site: GemmSite, key: str, reason: str) -> None:
+    if not compiling() and isinstance(site, ParameterSite) and key not in site.unreached_calls:
+        site.unreached_calls[key] = reason
+        logger.warning("dispatch: %s: %s runs in high precision: %s", site.path, key, reason)
+
+
+def _oriented(site: GemmSite, layout: str, key: str) -> bool:
+    ok = site.layout == layout if isinstance(site, ParameterSite) and compiling() else (
+        site.reorient(layout) if isinstance(site, ParameterSite) else layout == LINEAR
+    )
+    if not ok:
+        _note(site, key, f"multiplied as {layout} but the site is {getattr(site, 'layout', LINEAR)}")
+    return ok
+
+
+def _linear(mode: "SiteMode", input, weight, bias=None):
+    site = mode.site_of(weight)
+    if site is None or not _oriented(site, LINEAR, "F.linear"):
+        return NotImplemented
+    return _call_site(site, input, bias)
+
+
+def _matmul(mode: "SiteMode", a, b):
+    site = mode.site_of(b)
+    if site is not None:
+        if not _oriented(site, MATMUL, "x @ P"):
+            return NotImplemented
+        if torch.is_tensor(a) and a.dim() == 1:
+            out = _call_site(site, a.unsqueeze(0), None)
+            return out if out is NotImplemented else out.squeeze(0)
+        return _call_site(site, a, None)
+    site = mode.site_of(a)
+    if site is not None:  # P @ x = (x^T P^T)^T for an (out, in) Parameter and a 2-D x
+        if not (torch.is_tensor(b) and b.dim() == 2) or not _oriented(site, LINEAR, "P @ x"):
+            _note(site, "P @ x", "left operand with a non-2-D right operand")
+            return NotImplemented
+        out = _call_site(site, b.t(), None)
+        return out if out is NotImplemented else out.t()
+    return NotImplemented
+
+
+def _rmatmul(mode: "SiteMode", p, other):
+    return _matmul(mode, other, p)
+
+
+def _addmm(mode: "SiteMode", input, mat1, mat2, *, beta=1, alpha=1):
+    site = mode.site_of(mat2)
+    if site is None or not _oriented(site, MATMUL, "addmm"):
+        return NotImplemented
+    if alpha == 1 and beta == 1:
+        return _call_site(site, mat1, input)
+    y = _call_site(site, mat1, None)
+    return y if y is NotImplemented else alpha * y + beta * input
+
+
+_EINSUM = re.compile(r"^\s*([a-zA-Z.]+)\s*,\s*([a-zA-Z]{2})\s*->\s*([a-zA-Z.]+)\s*$")
+
+
+def _einsum(mode: "SiteMode", equation, *operands):
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if len(operands) != 2 or not isinstance(equation, str):
+        return NotImplemented
+    site = mode.site_of(operands[1])
+    match = _EINSUM.match(equation)
+    if site is None or match is None:
+        return NotImplemented
+    lhs, pw, out = match.groups()
+    # x's subscripts "<lead>k", the weight's "kn" (matmul) or "nk" (linear), the output "<lead>n".
+    if len(set(pw)) != 2 or lhs[-1] not in pw or out[:-1] != lhs[:-1] or out[-1] not in pw or out[-1] == lhs[-1]:
+        _note(site, f"einsum {equation!r}", "not a projection of the last dim")
+        return NotImplemented
+    layout = MATMUL if pw[0] == lhs[-1] else LINEAR
+    if not _oriented(site, layout, f"einsum {equation!r}"):
+        return NotImplemented
+    return _call_site(site, operands[0], None)
+
+
+def _attention_mask(attn_mask, key_padding_mask, batch: int, heads: int, q_len: int, k_len: int, dtype):
+    """One additive float mask ``(batch * heads, q_len, k_len)`` (or broadcastable), or ``None``."""
+
+    def additive(m):
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(dtype)
+
+    mask = None
+    if attn_mask is not None:
+        mask = additive(attn_mask)
+        if mask.dim() == 2:
+            mask = mask.unsqueeze(0)
+    if key_padding_mask is not None:
+        pad = additive(key_padding_mask).view(batch, 1, 1, k_len).expand(-1, heads, -1, -1).reshape(batch * heads, 1, k_len)
+        mask = pad if mask is None else mask + pad
+    return mask
+
+
+def _multi_head_attention(mode: "SiteMode", query, key, value, embed_dim_to_check, num_heads, in_proj_weight,
+                          in_proj_bias, bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias,
+                          training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
+                          use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None, v_proj_weight=None,
+                          static_k=None, static_v=None, average_attn_weights=True, is_causal=False):  # fmt: skip
+    """``F.multi_head_attention_forward`` with its two projections on sites (self-attention only)."""
+    in_site, out_site = mode.site_of(in_proj_weight), mode.site_of(out_proj_weight)
+    if in_site is None or out_site is None:
+        return NotImplemented
+    unsupported = (
+        "cross-attention (query is not key and value)" if not (query is key and key is value) else
+        "separate q/k/v weights" if use_separate_proj_weight else
+        "bias_k/bias_v or add_zero_attn" if bias_k is not None or bias_v is not None or add_zero_attn else
+        "static_k/static_v" if static_k is not None or static_v is not None else None
+    )  # fmt: skip
+    if unsupported is not None:
+        _note(in_site, "multi_head_attention_forward", unsupported)
+        return NotImplemented
+    batched = query.dim() == 3
+    x = query if batched else query.unsqueeze(1)  # (L, N, E): PyTorch's sequence-first layout
+    if not batched and key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.unsqueeze(0)
+    seq, batch, embed = x.shape
+    head_dim = embed // num_heads
+    qkv = _call_site(in_site, x, in_proj_bias)
+    if qkv is NotImplemented:
+        return NotImplemented
+    q, k, v = (t.reshape(seq, batch * num_heads, head_dim).transpose(0, 1) for t in qkv.chunk(3, dim=-1))
+    mask = _attention_mask(attn_mask, key_padding_mask, batch, num_heads, seq, seq, q.dtype)
+    causal = is_causal and mask is None
+    drop = dropout_p if training else 0.0
+    weights = None
+    if need_weights:
+        scores = torch.baddbmm(mask, q * head_dim ** -0.5, k.transpose(1, 2)) if mask is not None else (
+            torch.bmm(q * head_dim ** -0.5, k.transpose(1, 2)))  # fmt: skip
+        if causal:
+            scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        weights = probs.view(batch, num_heads, seq, seq)
+        weights = weights.mean(dim=1) if average_attn_weights else weights
+        attended = torch.bmm(F.dropout(probs, p=drop) if drop > 0 else probs, v)
+        if not batched:
+            weights = weights.squeeze(0)
+    else:
+        sdpa_mask = None if mask is None else mask.view(batch, num_heads, -1, seq) if mask.shape[0] != 1 else mask
+        attended = F.scaled_dot_product_attention(
+            q.view(batch, num_heads, seq, head_dim), k.view(batch, num_heads, seq, head_dim),
+            v.view(batch, num_heads, seq, head_dim), attn_mask=sdpa_mask, dropout_p=drop, is_causal=causal,
+        ).view(batch * num_heads, seq, head_dim)  # fmt: skip
+    out = attended.transpose(0, 1).reshape(seq * batch, embed)
+    out = _call_site(out_site, out, out_proj_bias)
+    if out is NotImplemented:
+        return NotImplemented
+    out = out.view(seq, batch, embed)
+    return (out if batched else out.squeeze(1)), weights
+
+
+_HANDLERS: Dict[Callable, Callable] = {
+    F.linear: _linear,
+    torch.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch.Tensor.__matmul__: _matmul,
+    torch.Tensor.__rmatmul__: _rmatmul,
+    torch.mm: _matmul,
+    torch.Tensor.mm: _matmul,
+    torch.addmm: _addmm,
+    torch.Tensor.addmm: _addmm,
+    torch.einsum: _einsum,
+    F.multi_head_attention_forward: _multi_head_attention,
+}
+
+
+class SiteMode(TorchFunctionMode):
+    """Routes GEMMs on the scope's Parameters to their sites (active only inside the scope's forward).
+
+    Args:
+        sites: the scope's sites (``ParameterSite`` modules, and ``LokaLinear`` layers whose weight
+            the scope passes to a function instead of calling them).
+    """
+
+    def __init__(self, sites: Sequence[GemmSite]) -> None:
+        super().__init__()
+        self.sites = tuple(sites)
+
+    def site_of(self, t: Any) -> Optional[GemmSite]:
+        for site in self.sites:
+            operand = site.operand if isinstance(site, ParameterSite) else site.weight
+            if t is operand:
+                return site
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(self, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        elif self.sites and not compiling():
+            self._note_other_use(func, args)
+        return func(*args, **kwargs)
+
+    def _note_other_use(self, func, args) -> None:
+        """Count reads of a site's Parameter by a non-GEMM function (indexing, a norm): eager only."""
+        for arg in args:
+            site = self.site_of(arg) if torch.is_tensor(arg) else None
+            if isinstance(site, ParameterSite):
+                name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+                site.other_uses[name] = site.other_uses.get(name, 0) + 1
+
+
+def _scoped_forward(module: nn.Module, mode: SiteMode, *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return type(module).forward(module, *args, **kwargs)
+
+
+def scope_module(module: nn.Module, sites: Sequence[GemmSite]) -> None:
+    """Make ``module``'s forward run under a :class:`SiteMode` for ``sites`` (idempotent: replaces
+    an earlier scope). The sites that are ``ParameterSite`` modules become its children in
+    ``_loka_sites`` (no parameters, nothing persistent: ``state_dict`` keys are unchanged)."""
+    own = [s for s in sites if isinstance(s, ParameterSite)]
+    if own:
+        module._loka_sites = nn.ModuleDict({s.path.replace(".", "_"): s for s in own})
+    module.forward = functools.partial(_scoped_forward, module, SiteMode(sites))
+
+
+def is_scoped(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _scoped_forward
+
+
+def scoped_sites(module: nn.Module) -> Tuple[GemmSite, ...]:
+    """The sites of a scoped module's mode (empty if not scoped)."""
+    return module.__dict__["forward"].args[1].sites if is_scoped(module) else ()
+
+
+# ------------------------------------------------------------------------------------- layout
+def _enclosing_call(source: str, pos: int) -> Tuple[Optional[str], int, str]:
+    """The call whose argument list holds ``source[pos]``: (function name or ``None``, argument
+    index, the text of its first argument)."""
+    depth, commas, i = 0, 0, pos - 1
+    while i >= 0 and pos - i < 600:
+        ch = source[i]
+        if ch in ")]}":
+            depth += 1
+        elif ch in "([{":
+            if depth == 0:
+                if ch != "(":
+                    return None, 0, ""
+                name = re.search(r"([\w.]+)\s*$", source[:i])
+                first = source[i + 1:pos].split(",")[0]
+                return (name.group(1) if name else None), commas, first
+            depth -= 1
+        elif ch == "," and depth == 0:
+            commas += 1
+        elif ch == "\n" and depth == 0 and source[i - 1:i] != "\\":
+            pass  # a call's arguments may span lines
+        i -= 1
+    return None, 0, ""
+
+
+def guess_layout(owner_cls: type, attr: str) -> Optional[str]:
+    """How ``owner_cls``'s source multiplies by ``self.<attr>``: ``"linear"``, ``"matmul"``, or
+    ``None`` (no GEMM on it found in the source, or the source is not available).
+
+    Example::
+
+        >>> from torchrec.modules.crossnet import LowRankCrossNet  # F.linear(x_l, self.V_kernels[layer])
+        >>> guess_layout(LowRankCrossNet, "V_kernels"), guess_layout(LowRankCrossNet, "bias")
+        ('linear', None)
+    """
+    try:
+        source = inspect.getsource(owner_cls)
+    except (OSError, TypeError):
+        return None
+    votes = {LINEAR: 0, MATMUL: 0}
+    for match in re.finditer(rf"self\.{re.escape(attr)}\b(\s*\[[^\]]*\])?", source):
+        before = source[max(0, match.start() - 200):match.start()]
+        after = source[match.end():match.end() + 8]
+        if re.search(r"@\s*$", before):
+            votes[MATMUL] += 1
+            continue
+        if re.match(r"\s*@", after):
+            votes[LINEAR] += 1
+            continue
+        name, index, first = _enclosing_call(source, match.start())
+        if name is None:
+            continue
+        keyword = re.search(r"(\w+)\s*=\s*$", before)
+        short = name.rsplit(".", 1)[-1]
+        if short == "linear" and (index == 1 or (keyword and keyword.group(1) == "weight")):
+            votes[LINEAR] += 1
+        elif short in ("matmul", "mm") and index == 1:
+            votes[MATMUL] += 1
+        elif short in ("matmul", "mm") and index == 0 and "." not in name:
+            votes[LINEAR] += 1  # torch.mm(P, x): P (out, in) on the left
+        elif short == "addmm" and index == 2:
+            votes[MATMUL] += 1
+        elif short == "einsum":
+            equation = _EINSUM.match(first.strip().strip("'\""))
+            if equation:
+                votes[MATMUL if equation.group(2)[0] == equation.group(1)[-1] else LINEAR] += 1
+    if not any(votes.values()):
+        return None
+    return MATMUL if votes[MATMUL] > votes[LINEAR] else LINEAR
+
+
+def macs_per_row(site: GemmSite) -> int:
+    """Multiply-adds of the site's forward GEMM per input row."""
+    return int(site.in_features) * int(site.out_features)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return int(math.prod(shape))
