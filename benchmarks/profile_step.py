@@ -107,16 +107,13 @@ def case_linear(device: torch.device, shape, choices: List[str], reps: int, grap
             print(f"--- {text}: unavailable: {get_backend(choice.backend).availability(device).reason}")
             continue
         layers.append((text, LokaLinear.from_linear(linear, kernels=LayerKernels.uniform(choice))))
-        if graphs and device.type == "cuda":
-            layers.append((f"{text}+graphs", LokaLinear.from_linear(linear, kernels=LayerKernels.uniform(choice), cuda_graphs=True)))
+        if graphs:  # the layer as a compiled step runs it: Inductor, CUDA graphs on a GPU
+            compiled = torch.compile(LokaLinear.from_linear(linear, kernels=LayerKernels.uniform(choice)), mode="reduce-overhead")
+            layers.append((f"{text}+compile", compiled))
     for label, layer in layers:
         run = step(layer)
         host, dev = host_and_device_ms(run, device, reps)
-        graph_note = ""
-        if getattr(layer, "cuda_graphs", False):
-            g = layer.graphs
-            graph_note = f" (CUDA graphs: {g.captures} captured, {g.replays} replays" + (f", failed: {g.failure}" if g.failure else "") + ")"
-        print(f"\n=== linear {m}x{k}x{n} {label}: host {host:.3f} ms/step, device {dev:.3f} ms/step{graph_note}", flush=True)
+        print(f"\n=== linear {m}x{k}x{n} {label}: host {host:.3f} ms/step, device {dev:.3f} ms/step", flush=True)
         if label != "nn.Linear":
             print(profile_tables(run, device, 10))
             print(python_profile(run, 20))
@@ -185,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--choices", default="scaled_mm:rowwise,scaled_mm:tensorwise,te:tensorwise,triton:rowwise")
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--graphs", action="store_true", help="linear: also each choice with CUDA graphs (cuda_graphs=True)")
+    parser.add_argument("--graphs", action="store_true", help="linear: also each choice compiled (torch.compile, reduce-overhead)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     shape = tuple(int(v) for v in args.shape.split("x"))
