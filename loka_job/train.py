@@ -179,18 +179,20 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     os.makedirs(rank_dir, exist_ok=True)
     handler = logging.FileHandler(os.path.join(rank_dir, "train.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("loka_torchrec")
-    # Hydra's logging set-up disables loggers that existed before it ran: enable ours again.
-    for name, item in logging.Logger.manager.loggerDict.items():
-        if name.startswith("loka_torchrec") and isinstance(item, logging.Logger):
-            item.disabled = False
-    root.setLevel(logging.INFO)
-    root.addHandler(handler)
-    root.propagate = False
-    if rank == 0:
-        console = logging.StreamHandler(sys.stderr)
-        console.setLevel(logging.WARNING)
-        root.addHandler(console)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    # The library's loggers and the job's own, into one file per rank (warnings to rank 0's console).
+    for package in ("loka_torchrec", "loka_job"):
+        root = logging.getLogger(package)
+        # Hydra's logging set-up disables loggers that existed before it ran: enable ours again.
+        for name, item in logging.Logger.manager.loggerDict.items():
+            if name.startswith(package) and isinstance(item, logging.Logger):
+                item.disabled = False
+        root.setLevel(logging.INFO)
+        root.addHandler(handler)
+        root.propagate = False
+        if rank == 0:
+            root.addHandler(console)
 
 
 def main() -> None:

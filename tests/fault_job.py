@@ -49,7 +49,7 @@ def install() -> None:
     if not _mine(ranks):
         return
     from loka_job.training import checkpoint, data as data_module, trainer as trainer_module
-    from loka_torchrec import train as train_module
+    from loka_job import train as train_module
 
     holder = {}
     original_init = trainer_module.Trainer.__init__

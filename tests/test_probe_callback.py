@@ -75,7 +75,7 @@ def _train(model, probe, steps, *, data=None, rank=0):
 
 def test_disabled_probe_does_nothing(tmp_path):
     model = _mlp()
-    cb = ProbeCallback(model, ProbeConfig(), run_dir=str(tmp_path))
+    cb = ProbeCallback(model, ProbeConfig(enabled=False), run_dir=str(tmp_path))
     _train(model, cb, 3)
     cb.close()
     assert not cb.enabled and not cb.probing

@@ -23,6 +23,7 @@ SMALL = [
     "data.eval_batches=8",
     "train.progress_bar=false",
     "train.log_every=10",
+    "loka.probe.enabled=false",  # these short runs plan from random evidence at step 2; tests that probe say so
 ]
 
 
@@ -94,6 +95,7 @@ def test_single_process_without_torchrun(tmp_path):
 # smaller batches and a cheap dispatch plan (the CPU speed gate off, as scripts/run.sh does).
 FAST_RECIPE = [
     "device=cpu",
+    "loka.probe.enabled=false",  # as SMALL; the probe case turns it on
     "train.steps=30",
     "train.log_every=10",
     "train.progress_bar=false",
