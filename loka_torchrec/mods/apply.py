@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List
 
 from torch import nn
@@ -13,6 +14,7 @@ from loka_torchrec.mods.module_tree import check_unwrapped
 from loka_torchrec.mods.no_bias import no_bias
 from loka_torchrec.mods.padding import pad_to_16
 from loka_torchrec.mods.siblings import fuse_siblings
+from loka_torchrec.mods.unmatched import why_unmatched
 
 __all__ = ["apply_mods"]
 
@@ -62,5 +64,10 @@ def apply_mods(model: nn.Module, config: ModsConfig) -> ModsReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_unwrapped(model, mod="apply_mods")
-    results: List[ModResult] = [_MODS[name](model, config) for name in config.enabled]
+    results: List[ModResult] = []
+    for name in config.enabled:
+        result = _MODS[name](model, config)
+        if not result.modules and not result.skipped:
+            result = dataclasses.replace(result, unmatched=why_unmatched(model, name))
+        results.append(result)
     return ModsReport(config, tuple(results))

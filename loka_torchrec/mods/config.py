@@ -119,16 +119,20 @@ class ModResult:
         name: the mod (one of :data:`MOD_NAMES`).
         modules: FQNs of the modules it changed or replaced (as named before the change).
         skipped: ``(fqn, reason)`` for candidates it left alone on purpose.
+        unmatched: when it changed nothing, why (:func:`~loka_torchrec.mods.unmatched.why_unmatched`).
     """
 
     name: str
     modules: Tuple[str, ...] = ()
     skipped: Tuple[Tuple[str, str], ...] = ()
+    unmatched: str = ""
 
     def __str__(self) -> str:
         text = f"{self.name}: {len(self.modules)} module(s)"
         if self.modules:
             text += " [" + ", ".join(self.modules) + "]"
+        elif self.unmatched:
+            text += f" ({self.unmatched})"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{fqn} ({why})" for fqn, why in self.skipped)
         return text
