@@ -16,20 +16,14 @@ import time
 import pytest
 
 from multirank import run_job
+from small_job import SMALL_DLRM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 SMALL = [
-    "device=cpu",
-    "data.num_tables=4",
-    "data.num_embeddings=1000",
-    "data.embedding_dim=32",
-    "model.dense_arch_layer_sizes=[64,32]",
-    "model.over_arch_layer_sizes=[64,32,1]",
-    "data.batch_size=128",
+    *SMALL_DLRM,
     "data.eval_batches=4",
-    "train.progress_bar=false",
     "train.log_every=4",
     "train.deterministic=true",
     "loka.dispatch.mode=all:scaled_mm:rowwise",  # FP8 everywhere from step 1: no planning time

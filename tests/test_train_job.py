@@ -8,20 +8,14 @@ import sys
 import pytest
 
 from multirank import run_job
+from small_job import SMALL_DLRM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 SMALL = [
-    "device=cpu",
-    "data.num_tables=4",
-    "data.num_embeddings=1000",
-    "data.embedding_dim=32",
-    "model.dense_arch_layer_sizes=[64,32]",
-    "model.over_arch_layer_sizes=[64,32,1]",
-    "data.batch_size=128",
+    *SMALL_DLRM,
     "data.eval_batches=8",
-    "train.progress_bar=false",
     "train.log_every=10",
     "loka.probe.enabled=false",  # these short runs plan from random evidence at step 2; tests that probe say so
 ]

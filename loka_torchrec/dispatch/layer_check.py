@@ -108,12 +108,6 @@ def time_layer_step(
             )
             for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
         }
-    return _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype,
-                          reps=reps, warmup=warmup, gen=gen, device_time=device_time)  # fmt: skip
-
-
-def _time_variants(variants, rows, in_features, out_features, device, input_dtype, autocast_dtype, *, reps, warmup,
-                   gen, device_time) -> LayerTiming:  # fmt: skip
     x = torch.randn(rows, in_features, generator=gen, device=device, dtype=torch.float32).to(input_dtype)
     x.requires_grad_(True)
     out_dtype = autocast_dtype or input_dtype
