@@ -11,7 +11,17 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's float8 training with its
   size filter on the plain model, compiled with CUDA graphs;
 * ``loka_compile``: the Mods model with a pinned LoKA plan (``--plan``, e.g. the plan a training
-  run wrote) or a static mode (``--mode``), compiled with CUDA graphs.
+  run wrote) or a static mode (``--mode``), compiled with CUDA graphs;
+* ``loka_speed_gate_compile``: the same plan's per-GEMM evidence decided by the accuracy and speed
+  gates alone (each role the fastest candidate within ``max_mere`` that is ``min_speedup`` faster
+  than bf16), without the layer check's verdicts: what the layer check turned down, timed in the
+  compiled step;
+* ``loka_tensorwise_compile``: as ``loka_speed_gate_compile``, with ``scaled_mm:tensorwise`` for
+  every role where that candidate itself passes both gates (one quantization of each operand
+  serves every role that reads it).
+
+Each run is also profiled over a few steps: the device time per step by kernel category (bf16
+GEMMs, FP8 GEMMs, FP8 quantization, other), to show where a run's time goes.
 
 Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, the table with ratios to the
 faster bf16 compile mode). Example (one GPU)::
@@ -33,8 +43,21 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+import loka_torchrec
+from loka_job.models.dhen import DhenConfig, DhenOverArch
+from loka_job.training.profiling import StepProfiler
+from loka_torchrec.dispatch import DispatchConfig
+from loka_torchrec.dispatch.plan import DispatchPlan, RoleDecision
+from loka_torchrec.evidence import BF16, KernelChoice
+from loka_torchrec.mods import ModsConfig, apply_mods
+
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_nomods_compile_cudagraphs", "torchao_tensorwise_compile",
-        "torchao_rowwise_compile", "loka_compile")  # fmt: skip
+        "torchao_rowwise_compile", "loka_compile", "loka_speed_gate_compile", "loka_tensorwise_compile")  # fmt: skip
+PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
+"""Runs whose plan is re-decided from ``--plan``'s evidence by the gates alone, with the one
+candidate they are restricted to (``None``: the fastest that passes)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", default=None, help="a static dispatch mode for loka_compile instead of --plan")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run after timing (0: none)")
     p.add_argument("--out", required=True, help="output path without extension")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
@@ -54,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
     if "loka_compile" in args.runs and not (args.plan or args.mode):
         p.error("--runs loka_compile: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
+    if any(r in PLAN_VARIANTS for r in args.runs) and not args.plan:
+        p.error(f"--runs {', '.join(PLAN_VARIANTS)}: need --plan (a dispatch_plan.json with its evidence)")
     return args
 
 
@@ -69,9 +95,6 @@ class DensePart(nn.Module):
 
 
 def build(preset: str, device: torch.device, mods: bool) -> DensePart:
-    from loka_job.models.dhen import DhenConfig, DhenOverArch
-    from loka_torchrec.mods import ModsConfig, apply_mods
-
     config = getattr(DhenConfig, preset)()
     features = [f"f{i}" for i in range({"large": 7, "xl": 63}[preset])]
     torch.manual_seed(0)
@@ -82,8 +105,6 @@ def build(preset: str, device: torch.device, mods: bool) -> DensePart:
 
 
 def inputs(preset: str, batch: int, device: torch.device):
-    from torchrec.sparse.jagged_tensor import KeyedTensor
-
     n = {"large": 7, "xl": 63}[preset]
     gen = torch.Generator(device=device).manual_seed(1)
     values = torch.randn(batch, n * 256, generator=gen, device=device, dtype=torch.bfloat16)
@@ -92,19 +113,50 @@ def inputs(preset: str, batch: int, device: torch.device):
     return dense, pooled
 
 
+def gates_only_plan(plan: DispatchPlan, only: Optional[str]) -> DispatchPlan:
+    """``plan`` re-decided from its own evidence by the accuracy and speed gates alone.
+
+    Each role gets the fastest candidate whose error's upper bound is within ``max_mere`` and
+    whose time is ``min_speedup`` below bf16's (medians), restricted to the candidate ``only``
+    when given; a role with none stays bf16. The layer check's verdicts are not applied.
+    """
+    max_mere, min_speedup = plan.gates["max_mere"], plan.gates["min_speedup"]
+    layers = {}
+    for name, layer in plan.layers.items():
+        roles = {}
+        for role, decision in layer.roles.items():
+            passing = [
+                e for e in decision.considered
+                if e.error is not None and e.time_ms is not None and e.baseline_time_ms is not None
+                and e.error.high <= max_mere and e.baseline_time_ms.value >= min_speedup * e.time_ms.value
+                and (only is None or str(e.candidate) == only)
+            ]  # fmt: skip
+            best = min(passing, key=lambda e: e.time_ms.value, default=None)
+            if best is None:
+                roles[role] = RoleDecision(BF16, "no candidate passes the gates", "benchmark", None, decision.considered)
+            else:
+                speedup = best.baseline_time_ms.value / best.time_ms.value
+                roles[role] = RoleDecision(KernelChoice.parse(str(best.candidate)), f"gates only: {speedup:.2f}x",
+                                           "benchmark", best, decision.considered)  # fmt: skip
+        layers[name] = dataclasses.replace(layer, roles=roles)
+    return dataclasses.replace(plan, layers=layers, mode="pinned")
+
+
 def make(run: str, args, device) -> nn.Module:
-    mods = run.startswith("bf16_compile") or run == "loka_compile"
+    mods = run.startswith("bf16_compile") or run.startswith("loka_")
     model = build(args.preset, device, mods=mods).to(torch.bfloat16)
     if run.startswith("torchao"):
-        from loka_job.baselines import BaselineConfig, apply_baseline
+        from loka_job.baselines import BaselineConfig, apply_baseline  # torchao: optional, imported when asked
 
         apply_baseline(model, BaselineConfig(kind="torchao", recipe=run.split("_")[1], auto_filter=True))
-    if run == "loka_compile":
-        import loka_torchrec
-        from loka_torchrec.dispatch import DispatchConfig
-
-        dispatch = DispatchConfig(mode="pinned", plan_path=args.plan) if args.plan else DispatchConfig(mode=args.mode)
-        loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
+    if run.startswith("loka_"):
+        plan_path = args.plan
+        if run in PLAN_VARIANTS:
+            plan_path = f"{args.out}-{run}-plan.json"
+            gates_only_plan(DispatchPlan.load(args.plan), PLAN_VARIANTS[run]).save(plan_path)
+        dispatch = DispatchConfig(mode="pinned", plan_path=plan_path) if plan_path else DispatchConfig(mode=args.mode)
+        report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
+        print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
     mode = "default" if run == "bf16_compile" else "reduce-overhead"
     return torch.compile(model, mode=mode, fullgraph=not run.startswith("torchao"))
 
@@ -122,6 +174,18 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> List[float]
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def profile_steps(step: Callable[[], None], steps: int, out_dir: str) -> Dict[str, float]:
+    """Device ms per step by kernel category over ``steps`` profiled steps (the job's categories)."""
+    profiler = StepProfiler(1, steps, device=torch.device("cuda"), out_dir=out_dir)
+    for i in range(1, steps + 1):
+        profiler.before_step(i)
+        step()
+        profiler.after_step(i)
+    report = profiler.finish()
+    per_step = {c: v["ms_per_step"] for c, v in report["categories"].items()}
+    return {"kernel_ms": report["kernel_ms_per_step"], **per_step}
 
 
 def main(argv=None) -> int:
@@ -145,6 +209,8 @@ def main(argv=None) -> int:
 
             times = time_steps(step, args.warmup, args.steps)
             results[run] = {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+            if args.profile_steps:
+                results[run]["profile"] = profile_steps(step, args.profile_steps, f"{args.out}-profiles/{run}")
         except Exception as exc:  # noqa: BLE001 - one failing run is recorded, the others still run
             results[run] = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
         print(f"[dense] {run}: {results[run]}", flush=True)
@@ -168,13 +234,20 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "runs": results}, f, indent=2)
     lines = [f"# DHEN {args.preset} dense part, forward + backward, compiled", ""]
     lines += [f"- {k}: `{v}`" for k, v in meta.items()]
-    lines += ["", f"| run | ms per step (median) | vs {ref_name} |", "|---|---|---|"]
+    lines += ["", f"| run | ms per step (median) [min, max] | vs {ref_name} | device ms: bf16 GEMM | FP8 GEMM | "
+              "FP8 quantize | other | all |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for run, v in results.items():
         if v["status"] != "ok":
-            lines.append(f"| {run} | {v['status']}: {v['error']} | |")
+            lines.append(f"| {run} | {v['status']}: {v['error']} | | | | | | |")
             continue
         ratio = f"{ok[ref_name] / v['median_ms']:.3f}x" if ref_name else "n/a"
-        lines.append(f"| {run} | {v['median_ms']:.2f} [{v['min_ms']:.2f}, {v['max_ms']:.2f}] | {ratio} |")
+        prof = v.get("profile")
+        if prof:
+            rest = prof["kernel_ms"] - prof["gemm_bf16"] - prof["gemm_fp8"] - prof["fp8_quantize"]
+            cols = f"{prof['gemm_bf16']:.2f} | {prof['gemm_fp8']:.2f} | {prof['fp8_quantize']:.2f} | {rest:.2f} | {prof['kernel_ms']:.2f}"
+        else:
+            cols = "| | | |"
+        lines.append(f"| {run} | {v['median_ms']:.2f} [{v['min_ms']:.2f}, {v['max_ms']:.2f}] | {ratio} | {cols} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

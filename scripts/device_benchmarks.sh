@@ -7,8 +7,9 @@
 #   e2e NAME RECIPES SEEDS RUNS       benchmarks/e2e_compare.py on RECIPES (comma-separated) x SEEDS x
 #                                     RUNS, steady-state steps profiled; tables and plots in $OUT,
 #                                     the runs' own files (plans, summaries, logs) in one tarball
-#   dense NAME PRESET PLAN            benchmarks/dense_part_step.py: the DHEN dense part's fwd+bwd,
-#                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json) compiled
+#   dense NAME PRESET PLAN [RUNS]     benchmarks/dense_part_step.py: the DHEN dense part's fwd+bwd,
+#                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json) compiled;
+#                                     RUNS: comma-separated (default: all of the script's runs)
 #
 # Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
@@ -19,7 +20,7 @@ OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # one job per GPU must not take every host core
-stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN}
+stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN [RUNS]}
 DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
 WORK=$(mktemp -d /tmp/loka-bench.XXXXXX)
@@ -52,9 +53,9 @@ case $stage in
     tar -czf "$OUT/$name-runs.tar.gz" -C "$WORK" --exclude='site' runs "$name.log" 2>/dev/null
     ;;
   dense)
-    name=${2:?dense NAME PRESET PLAN}; preset=${3:?}; plan=${4:?}
+    name=${2:?dense NAME PRESET PLAN [RUNS]}; preset=${3:?}; plan=${4:?}; runs=${5:-}
     timeout $(( $(left) - 10 )) python3 -P benchmarks/dense_part_step.py --preset "$preset" --plan "$plan" \
-      --out "$OUT/$name" > "$WORK/$name.log" 2>&1
+      ${runs:+--runs "$runs"} --out "$OUT/$name" > "$WORK/$name.log" 2>&1
     echo "=== dense $name: rc=$?"
     grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
     cp "$WORK/$name.log" "$OUT/$name.log"
