@@ -243,6 +243,27 @@ def test_underflow_counts_do_not_depend_on_the_comparison_chunking(monkeypatch):
     assert torch.equal(whole.underflow, chunked.underflow) and whole.underflow.sum() > 0
 
 
+def test_update_in_row_blocks_equals_one_pass(monkeypatch):
+    """update() works on bounded row blocks (its temporaries stay small at LRM shapes): the counts,
+    amax and nonfinite tally are exact and the sums equal to float64 rounding, whatever the blocks."""
+    import loka_torchrec.probe.statistics as statistics_module
+
+    torch.manual_seed(5)
+    x = torch.randn(301, 40) * torch.exp(6 * torch.randn(301, 40))
+    x[17, 3], x[250, 0], x[120, :] = float("nan"), float("-inf"), 0.0
+    whole = TensorStatistics(40)
+    whole.update(x, delayed_amax=1.0)
+    monkeypatch.setattr(statistics_module, "_PASS_ELEMENTS", 40 * 23)  # 23 rows per block, 14 blocks
+    blocked = TensorStatistics(40)
+    blocked.update(x, delayed_amax=1.0)
+    for name in ("amax", "underflow", "below_floor", "nonfinite", "saturation"):
+        assert torch.equal(torch.as_tensor(getattr(whole, name)), torch.as_tensor(getattr(blocked, name))), name
+    assert int(whole.nonfinite) == 2 and whole.underflow.sum() > 0
+    for name in ("sum_sq", "sum_4th", "sum_row_ms_sq"):
+        torch.testing.assert_close(getattr(blocked, name), getattr(whole, name), rtol=1e-12, atol=0)
+    torch.testing.assert_close(blocked.covariance(), whole.covariance(), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_groups_below_the_scaling_floor_are_counted_and_their_flushes_are_underflow(fmt, granularity):

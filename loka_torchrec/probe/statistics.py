@@ -58,6 +58,7 @@ PROBE_GRANULARITIES: Tuple[str, ...] = ("tensorwise", "rowwise")
 
 _UNDERFLOW_CHUNK = 1 << 28  # booleans of one batched underflow comparison (256 MiB)
 _CHUNK_ELEMENTS = 1 << 22  # float64 rows are processed in chunks of at most this many elements (32 MiB)
+_PASS_ELEMENTS = 1 << 26  # update() works on row blocks of at most this many elements (64 Mi: its temporaries stay < 1 GiB)
 
 
 def covariance_subset(dim: int, max_cov_dim: int, key: str, seed: int = 0) -> torch.Tensor:
@@ -205,30 +206,42 @@ class TensorStatistics:
             return
         if x.device != self._device:
             self.to(x.device)
-        absx = x.abs()
-        amax_raw = absx.amax()
-        if x.device.type != "cpu" or not bool(torch.isfinite(amax_raw)):
-            # Mask inf/NaN without a host sync on accelerators; on the CPU only when present.
-            finite = torch.isfinite(x)
-            self.nonfinite += finite.numel() - torch.count_nonzero(finite)
-            x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-            absx = x.abs()
-            amax_raw = absx.amax()
-        amax_call = amax_raw.double()
+        # Two passes over row blocks of at most _PASS_ELEMENTS: the temporaries (|x|, masks,
+        # float32 copies) of a whole (rows, dim) activation would be several times its size, and
+        # at LRM shapes (hundreds of millions of elements) that is gigabytes next to training.
+        block = max(1, _PASS_ELEMENTS // self.dim)
+        blocks = [x[start : start + block] for start in range(0, rows, block)]
+        # Pass 1: the amax over the finite values (the tensorwise scale every block's counts use).
+        amax_call = torch.stack([self._finite(b, count=True).abs().amax() for b in blocks]).amax().double()
         self.amax = torch.maximum(self.amax, amax_call)
-        self._count_underflow(absx, amax_call)
+        # Pass 2: counts, power sums and moments, block by block.
+        for b in blocks:
+            b = self._finite(b, count=False)
+            absx = b.abs()
+            self._count_underflow(absx, amax_call)
+            if delayed_amax is not None and delayed_amax > 0:
+                # |x| * (fp8_max / delayed_amax) > fp8_max  <=>  |x| > delayed_amax, for every format.
+                self.saturation += torch.count_nonzero(absx > delayed_amax)
+            self._update_power_sums(b)
+            if moments:
+                chunk = max(1, _CHUNK_ELEMENTS // self.dim)
+                for start in range(0, b.shape[0], chunk):
+                    self._update_moments(b[start : start + chunk].double())
         if delayed_amax is not None and delayed_amax > 0:
-            # |x| * (fp8_max / delayed_amax) > fp8_max  <=>  |x| > delayed_amax, for every format.
-            self.saturation += torch.count_nonzero(absx > delayed_amax)
             self.sat_numel += x.numel()
         self.max_rows = max(self.max_rows, rows)
-        self._update_power_sums(x)
-        if moments:
-            chunk = max(1, _CHUNK_ELEMENTS // self.dim)
-            for start in range(0, rows, chunk):
-                self._update_moments(x[start : start + chunk].double())
-        else:
+        if not moments:
             self.light_rows += rows
+
+    def _finite(self, x: torch.Tensor, *, count: bool) -> torch.Tensor:
+        """``x`` with inf/NaN set to 0 (counted into ``nonfinite`` when ``count``). On accelerators
+        always masked, without a host sync; on the CPU only when the block holds any."""
+        if x.device.type == "cpu" and bool(torch.isfinite(x.abs().amax())):
+            return x
+        finite = torch.isfinite(x)
+        if count:
+            self.nonfinite += finite.numel() - torch.count_nonzero(finite)
+        return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def _count_underflow(self, absx: torch.Tensor, amax_call: torch.Tensor) -> None:
         if absx.dtype not in (torch.float32, torch.float64):
@@ -244,7 +257,7 @@ class TensorStatistics:
         }
         # Groups with 0 < amax < AMAX_EPS: the quantizer clamps their amax up to the floor. Count
         # their nonzero elements (all on the device, no host sync) and use the clamped amax below.
-        nonzero_per_row = torch.count_nonzero(absx, dim=1).to(torch.float64)
+        nonzero_per_row = (absx > 0).sum(dim=1, dtype=torch.float64)
         self.below_floor += torch.stack(
             [(nonzero_per_row * ((amax_by_gran[gran][:, 0] > 0) & (amax_by_gran[gran][:, 0] < AMAX_EPS))).sum() for gran in PROBE_GRANULARITIES]
         )
