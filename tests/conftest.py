@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/device_suite.sh on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (on the GPU machine: bash scripts/device_benchmarks.sh gpu_tests)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
