@@ -235,7 +235,7 @@ class Loka:
         """One line: the comms precision of each direction and, for ``"auto"``, how it was decided."""
         comms, choice = self.config.comms, self.comms_choice
         if choice is None:
-            pending = " (auto: decided before the first step)" if self.comms_selection is not None else ""
+            pending = " (decided before the first step)" if self.comms_selection is not None else ""
             return f"forward {comms.forward}, backward {comms.backward}{pending}"
         resolved = comms.resolved(choice.forward, choice.backward)
         how = "restored from the checkpoint: " if self._comms_restored else ""

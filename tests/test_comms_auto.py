@@ -134,7 +134,7 @@ def _no_timing(*args, **kwargs):
 def test_loka_on_one_rank_records_fp32_and_why(tmp_path):
     loka = _prepare(tmp_path)
     assert loka.embedding_dims == [16, 48] and loka.batch_size == 32
-    assert "auto: decided before the first step" in str(loka)
+    assert "comms: forward auto, backward auto (decided before the first step)" in str(loka)
     assert loka.sharders()[0].comms_selection is loka.comms_selection
     choice = loka.decide_comms()
     assert (choice.forward, choice.backward) == ("fp32", "fp32")

@@ -375,11 +375,10 @@ class Trainer:
         self.last_checkpoint: Optional[str] = None
         if train_config.resume:
             self._resume(train_config.resume)
-        # 8. The "auto" comms precisions, from a short timing of the all-to-all (restored on resume).
+        # 8. The "auto" comms precisions, from a short timing of the all-to-all (restored on resume;
+        #    logged by the library).
         if self.loka is not None:
             self.loka.decide_comms()
-            if ctx.is_main:
-                logger.info("comms: %s", self.loka.comms_summary())
 
     # ------------------------------------------------------------------ set-up helpers
     def _step_profiler(self) -> Optional[StepProfiler]:

@@ -101,7 +101,7 @@ def registry(
     if not config.enabled:
         return None
     block, source = resolve_block(config, embedding_dims)
-    if source == "default" and ({"fp8", "auto"} & {config.forward, config.backward}):
+    if source == "default" and "fp8" in (config.forward, config.backward):
         logger.info(
             "loka comms: embedding dims unknown, FP8 uses one scale per %d values; pass embedding_dims= "
             "or use loka_torchrec.comms.sharders() for one scale per embedding row",
