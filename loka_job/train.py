@@ -129,6 +129,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     if loka:
         lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
         lines.append(f"dispatch plan    {loka['plan_file']}")
+        if loka.get("comms"):
+            lines.append(f"embedding comms  {loka['comms']}")
         checks = loka.get("layer_checks") or []
         if checks:
             kept = sum(1 for c in checks if c.get("kept_fp8"))

@@ -41,7 +41,8 @@ class LokaConfig:
             Its ``evidence="auto"`` resolves to ``"probe"`` when the Probe is on, else ``"random"``.
         probe: in-training statistics and evidence (:class:`~loka_torchrec.probe.config.ProbeConfig`).
         mods: model changes applied before conversion (:class:`~loka_torchrec.mods.config.ModsConfig`).
-        comms: FP8 embedding all-to-all (:class:`~loka_torchrec.comms.config.CommsConfig`).
+        comms: embedding all-to-all precisions (:class:`~loka_torchrec.comms.config.CommsConfig`; ``"auto"``
+            by default: fp8 or fp32 per direction from a timing before the first step).
     """
 
     enabled: bool = False

@@ -4,9 +4,10 @@
 everything LoKA is: the model mods, the conversion of the linear layers, the Probe that learns
 their statistics, the Dispatcher that plans a kernel per GEMM from the Probe's evidence (with its
 accuracy gate, speed gate, layer check and step-time guard), the FP8 embedding comms (through
-:meth:`Loka.sharders`) and, when asked, ``torch.compile`` of the dense modules. The returned
-:class:`Loka` is what the job holds: it gives DMP its sharders, hears about each step, and puts
-every decision into the job's checkpoints.
+:meth:`Loka.sharders`; ``"auto"`` precisions are decided by :meth:`Loka.decide_comms` before the
+first step) and, when asked, ``torch.compile`` of the dense modules. The returned :class:`Loka`
+is what the job holds: it gives DMP its sharders, hears about each step, and puts every decision
+into the job's checkpoints.
 
 Example (the lines a TorchRec job adds; ``model`` built, process group initialized)::
 
@@ -24,16 +25,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from loka_torchrec.api import ApplyReport, apply
+from loka_torchrec.atomic_files import write_json_atomic
+from loka_torchrec.comms.auto import decide as decide_comms_precision
+from loka_torchrec.comms.choice import CommsChoice, CommsSelection
+from loka_torchrec.comms.sharders import model_embedding_dims
+from loka_torchrec.comms.sharders import sharders as comms_sharders
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.config import LokaConfig
 
-__all__ = ["Loka", "prepare"]
+__all__ = ["Loka", "prepare", "COMMS_PLAN_FILE"]
+
+logger = logging.getLogger(__name__)
+
+COMMS_PLAN_FILE = "comms_plan.json"
+"""In the run folder: the comms precisions in force, and for ``"auto"`` how they were decided."""
 
 
 @dataclasses.dataclass
@@ -45,14 +59,24 @@ class Loka:
         report: what the conversion and the mods changed (:class:`~loka_torchrec.api.ApplyReport`).
         probe: the Probe callback, or ``None`` when ``probe.enabled`` is false.
         compiled_modules: the dense submodules compiled in place (empty: eager).
+        comms_selection: the choice the ``"auto"`` comm codecs follow (``None`` when no
+            direction is ``"auto"``); set by :meth:`decide_comms` or :meth:`load_state_dict`.
+        run_dir, process_group, batch_size, embedding_dims: what :meth:`decide_comms` writes to
+            and times (see :func:`prepare`).
     """
 
     config: LokaConfig
     report: ApplyReport
     probe: Optional[Any]
     compiled_modules: List[str]
+    comms_selection: Optional[CommsSelection] = None
+    run_dir: Optional[str] = None
+    process_group: Optional[Any] = None
+    batch_size: Optional[int] = None
+    embedding_dims: List[int] = dataclasses.field(default_factory=list)
     _started: bool = False
     _last_step_end: Optional[float] = None
+    _comms_restored: bool = False
 
     @property
     def dispatcher(self):
@@ -62,10 +86,55 @@ class Loka:
     # ------------------------------------------------------------------ the job's hooks
     def sharders(self) -> list:
         """Sharders for ``DistributedModelParallel``: TorchRec's embedding sharders with LoKA's comm
-        codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32)."""
-        from loka_torchrec.comms.sharders import sharders
+        codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32; the
+        ``"auto"`` directions follow :attr:`comms_selection`, fp32 until :meth:`decide_comms`)."""
+        return comms_sharders(self.config.comms, selection=self.comms_selection)
 
-        return sharders(self.config.comms)
+    @property
+    def comms_choice(self) -> Optional[CommsChoice]:
+        """The decision of the ``"auto"`` comms directions (``None``: none, or not decided yet)."""
+        return None if self.comms_selection is None else self.comms_selection.choice
+
+    def decide_comms(self, *, timer=None) -> Optional[CommsChoice]:
+        """Decide the ``"auto"`` comms precisions once, before the first training step (a collective).
+
+        Every rank times the embedding all-to-all in fp32 and in FP8 on the process group and all
+        take the same decision (:func:`loka_torchrec.comms.decide`); one rank takes fp32 without
+        timing. The choice switches the codecs the sharders installed, is logged and written to
+        ``RUN_DIR/comms_plan.json``. Nothing is done when no direction is ``"auto"`` or a choice
+        is already set (decided, or restored by :meth:`load_state_dict`, which a resumed job
+        calls first). :meth:`step` calls it; a job that drives :meth:`step_end` itself calls it
+        after restoring its checkpoint, before the first step.
+
+        Args:
+            timer: passed to :func:`~loka_torchrec.comms.decide` (tests).
+        """
+        if self.comms_selection is None or self.comms_selection.choice is not None:
+            return self.comms_choice
+        choice = decide_comms_precision(
+            self.config.comms, process_group=self.process_group, embedding_dims=self.embedding_dims,
+            batch_size=self.batch_size, timer=timer,
+        )  # fmt: skip
+        self.comms_selection.set(choice)
+        logger.info("loka comms: %s", choice.summary())
+        self._write_comms_plan()
+        return choice
+
+    def _write_comms_plan(self) -> None:
+        if self.run_dir is None or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+            return
+        choice = self.comms_choice
+        comms = self.config.comms
+        if choice is not None:
+            comms = comms.resolved(choice.forward, choice.backward)
+        plan = {
+            "forward": comms.forward,
+            "backward": comms.backward,
+            "config": dataclasses.asdict(self.config.comms),
+            "restored": self._comms_restored,
+            "choice": None if choice is None else choice.to_dict(),
+        }
+        write_json_atomic(os.path.join(self.run_dir, COMMS_PLAN_FILE), plan)
 
     def start(self) -> None:
         """Check that every rank runs the same plan and write the initial plan file. Called by the
@@ -73,6 +142,8 @@ class Loka:
         if not self._started:
             self._started = True
             self.dispatcher.start()
+            if self.comms_selection is None:
+                self._write_comms_plan()  # fixed precisions: nothing to decide
 
     def eager_at(self, step: int) -> bool:
         """Whether compiled modules must run eagerly at ``step`` (numbered from 1): the Probe's
@@ -93,6 +164,7 @@ class Loka:
         (over a window, the loop's throughput; the step-time guard compares medians of these).
         """
         self.start()
+        self.decide_comms()
         with eager() if self.eager_at(step) else contextlib.nullcontext():
             yield
         now = time.perf_counter()
@@ -103,8 +175,10 @@ class Loka:
     def step_end(self, step: int, *, step_ms: Optional[float] = None) -> None:
         """Report the end of training step ``step`` (numbered from 1): the Probe merges and plans
         when due, Dispatch plans from random evidence when due, and ``step_ms`` (the step's wall
-        time, if known) goes to the step-time guard. :meth:`step` calls it for you."""
+        time, if known) goes to the step-time guard. :meth:`step` calls it for you. ``"auto"``
+        comms not decided yet are decided here (from the next step on; see :meth:`decide_comms`)."""
         self.start()
+        self.decide_comms()
         self.dispatcher.on_step_end(step)
         if self.probe is not None:
             self.probe.on_step_end(step)
@@ -114,8 +188,10 @@ class Loka:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Every decision so far (plan, safety valve, step-time guard, the Probe's statistics and
-        schedule, the comms precisions): put it into the job's checkpoint."""
+        schedule, the comms precisions and the ``"auto"`` choice): put it into the job's checkpoint."""
         state: Dict[str, Any] = {"dispatch": self.dispatcher.state_dict(), "comms": dataclasses.asdict(self.config.comms)}
+        if self.comms_choice is not None:
+            state["comms_choice"] = self.comms_choice.to_dict()
         if self.probe is not None:
             state["probe"] = self.probe.state_dict()
         return state
@@ -123,16 +199,47 @@ class Loka:
     def load_state_dict(self, state: Mapping[str, Any], *, step: int) -> None:
         """Restore :meth:`state_dict`'s decisions in a job resumed after training step ``step``.
 
+        The ``"auto"`` comms choice is restored without timing anything, unless the checkpoint's
+        choice did not decide every ``"auto"`` direction of this run or was made for another
+        world size (then :meth:`decide_comms` decides anew, and a warning says why).
+
         Raises:
             ValueError: ``state`` is not a :meth:`state_dict` (names the missing key).
         """
         if not isinstance(state, Mapping) or "dispatch" not in state:
             raise ValueError("loka state: expected the mapping Loka.state_dict() returned (with key 'dispatch')")
         self.dispatcher.load_state_dict(state["dispatch"])
+        if self.comms_selection is not None and state.get("comms_choice") is not None:
+            self._restore_comms(CommsChoice.from_dict(state["comms_choice"]))
         if self.probe is not None:
             if "probe" in state:
                 self.probe.load_state_dict(state["probe"])
             self.probe.resume_at(step + 1)
+
+    def _restore_comms(self, choice: CommsChoice) -> None:
+        comms = self.config.comms
+        auto = {d for d in ("forward", "backward") if getattr(comms, d) == "auto"}
+        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
+        if not auto <= set(choice.decided) or choice.world_size != world:
+            logger.warning(
+                "loka comms: the checkpoint's choice (%s, %d rank(s)) does not fit this run (auto: %s, %d rank(s)); "
+                "deciding anew", ", ".join(choice.decided), choice.world_size, ", ".join(sorted(auto)), world,
+            )  # fmt: skip
+            return
+        self.comms_selection.set(choice)
+        self._comms_restored = True
+        logger.info("loka comms: restored from the checkpoint: %s", choice.summary())
+        self._write_comms_plan()
+
+    def comms_summary(self) -> str:
+        """One line: the comms precision of each direction and, for ``"auto"``, how it was decided."""
+        comms, choice = self.config.comms, self.comms_choice
+        if choice is None:
+            pending = " (decided before the first step)" if self.comms_selection is not None else ""
+            return f"forward {comms.forward}, backward {comms.backward}{pending}"
+        resolved = comms.resolved(choice.forward, choice.backward)
+        how = "restored from the checkpoint: " if self._comms_restored else ""
+        return f"forward {resolved.forward}, backward {resolved.backward} (auto, {how}{choice.summary()})"
 
     def close(self) -> None:
         """Flush the Probe's logs and remove its hooks (idempotent)."""
@@ -141,8 +248,7 @@ class Loka:
 
     def __str__(self) -> str:
         lines = [str(self.report)]
-        lines.append(f"probe: {'on' if self.probe is not None else 'off'}; comms: forward {self.config.comms.forward}, "
-                     f"backward {self.config.comms.backward}")  # fmt: skip
+        lines.append(f"probe: {'on' if self.probe is not None else 'off'}; comms: {self.comms_summary()}")
         if self.compiled_modules:
             lines.append(f"torch.compile: {', '.join(self.compiled_modules)}")
         return "\n".join(lines)
@@ -156,6 +262,7 @@ def prepare(
     compile: str = "none",
     device: Optional[Any] = None,
     process_group=None,
+    batch_size: Optional[int] = None,
 ) -> Loka:
     """Set LoKA up for ``model``, in place, before ``DistributedModelParallel`` wraps it.
 
@@ -168,7 +275,10 @@ def prepare(
         compile: ``torch.compile`` of the dense modules (:data:`loka_torchrec.compile.COMPILE_MODES`;
             ``auto`` is ``reduce-overhead`` on CUDA, eager elsewhere); ``none`` leaves them eager.
         device: the dense modules' device, for ``compile="auto"`` (default: the first parameter's).
-        process_group: the ranks that merge statistics and agree on the plan (default: all).
+        process_group: the ranks that merge statistics and agree on the plan (default: all); also
+            the ranks whose embedding all-to-all ``"auto"`` comms time.
+        batch_size: rows per rank of a training batch, for the ``"auto"`` comms timing (``None``:
+            a representative default, said so in ``comms_plan.json``).
 
     Raises:
         TypeError: ``model`` or ``config`` of the wrong type.
@@ -195,4 +305,9 @@ def prepare(
             model, config.probe, run_dir=run_dir, consumer=report.dispatcher, process_group=process_group, start_step=1
         )
     compiled = compile_dense(model, mode) if mode is not None else []
-    return Loka(config, report, probe, compiled)
+    return Loka(
+        config, report, probe, compiled,
+        comms_selection=CommsSelection() if config.comms.auto else None,
+        run_dir=run_dir, process_group=process_group, batch_size=batch_size,
+        embedding_dims=model_embedding_dims(model),
+    )  # fmt: skip

@@ -202,7 +202,7 @@ def test_config_normalizes_case():
 
 
 def test_registry_is_none_when_nothing_is_compressed():
-    assert comms.registry(CommsConfig()) is None
+    assert comms.registry(CommsConfig(forward="fp32", backward="fp32")) is None
 
 
 def test_registry_covers_the_three_comm_ops(caplog):
@@ -228,7 +228,7 @@ def test_registry_mixed_precisions_and_blocks():
     a2a = reg["SEQUENCE_EMBEDDINGS_ALL_TO_ALL"]
     assert isinstance(a2a.forward, comms.Bf16CommCodec)
     assert a2a.backward.fmt == Fp8Format.E4M3 and a2a.backward.block == 32
-    reg = comms.registry(CommsConfig(forward="fp8"))
+    reg = comms.registry(CommsConfig(forward="fp8", backward="fp32"))
     assert isinstance(reg["POOLED_EMBEDDINGS_ALL_TO_ALL"].backward, comms.Fp32CommCodec)
     assert reg["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward.block == comms.DEFAULT_BLOCK
     with pytest.raises(ValueError, match="does not divide the embedding dims \\[48\\]"):
@@ -240,7 +240,7 @@ def test_sharders_bind_one_scale_per_row_of_each_module():
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    ebc_sharder, ec_sharder = comms.sharders(CommsConfig(forward="fp8"))
+    ebc_sharder, ec_sharder = comms.sharders(CommsConfig(forward="fp8", backward="fp32"))
     assert isinstance(ebc_sharder, EmbeddingBagCollectionSharder)
     assert isinstance(ec_sharder, EmbeddingCollectionSharder)
     ebc = EmbeddingBagCollection(
@@ -248,12 +248,12 @@ def test_sharders_bind_one_scale_per_row_of_each_module():
         device=torch.device("meta"),
     )
     assert comms.module_embedding_dims(ebc) == [48, 96]
-    assert comms.registry(CommsConfig(forward="fp8"), embedding_dims=comms.module_embedding_dims(ebc))[
+    assert comms.registry(CommsConfig(forward="fp8", backward="fp32"), embedding_dims=comms.module_embedding_dims(ebc))[
         "POOLED_EMBEDDINGS_ALL_TO_ALL"
     ].forward.block == 48
     # Outside shard() the planner sees the dims-agnostic registry.
     assert ebc_sharder.qcomm_codecs_registry["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward.block_source == "default"
-    assert comms.sharders(CommsConfig())[0].qcomm_codecs_registry in (None, {})
+    assert comms.sharders(CommsConfig(forward="fp32", backward="fp32"))[0].qcomm_codecs_registry in (None, {})
 
 
 @pytest.mark.parametrize("round_trip", ["pickle", "deepcopy"])

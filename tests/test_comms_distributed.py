@@ -176,7 +176,8 @@ def _scenario_dmp(rank, world_size, pg, results):
     grad_seed = 7
     ref_outs, ref_var_outs, ref_grads = _reference(world_size, grad_seed)
     ref = ref_outs[rank]
-    fp32_vals, fp32_var, fp32_deltas, _ = _forward_backward(comms.CommsConfig(), pg, rank, world_size, grad_seed)
+    fp32_cfg = comms.CommsConfig(forward="fp32", backward="fp32")
+    fp32_vals, fp32_var, fp32_deltas, _ = _forward_backward(fp32_cfg, pg, rank, world_size, grad_seed)
     fp8_cfg = comms.CommsConfig(forward="fp8", backward="fp8")
     fp8_vals, fp8_var, fp8_deltas, counters = _forward_backward(fp8_cfg, pg, rank, world_size, grad_seed)
 
@@ -385,10 +386,59 @@ def _scenario_training(rank, world_size, pg, results, steps=8):
             losses.append(float(loss))
         return losses
 
-    l32 = run(comms.CommsConfig())
+    l32 = run(comms.CommsConfig(forward="fp32", backward="fp32"))
     l8 = run(comms.CommsConfig(forward="fp8", backward="fp8"))
     results["train_losses_fp32"] = l32
     results["train_losses_fp8"] = l8
+
+
+# Per rank and label, the seconds the injected timer reports: alone, rank 0 would keep fp32 in
+# both directions and rank 1 would take fp8 in both; the MAX over ranks takes fp8 forward
+# (3.0 vs 2.5 ms) and fp32 backward (4.0 vs 5.0 ms).
+AUTO_TIMES_MS = {
+    0: {"forward/fp32": 1.0, "forward/fp8": 2.0, "backward/fp32": 1.0, "backward/fp8": 5.0},
+    1: {"forward/fp32": 3.0, "forward/fp8": 2.5, "backward/fp32": 4.0, "backward/fp8": 1.0},
+}
+
+
+def _scenario_auto(rank, world_size, pg, results):
+    """"auto" comms: every rank takes the same decision, and setting it after DMP changes what is sent."""
+    from loka_torchrec import comms
+
+    calls = []
+
+    def timer(label, run):
+        run()  # the real collectives run, so the ranks stay in step
+        calls.append(label)
+        return AUTO_TIMES_MS[rank][label] / 1e3
+
+    config = comms.CommsConfig()  # auto, auto
+    choice = comms.decide(config, process_group=pg, embedding_dims=[t[2] for t in TABLES], batch_size=4, timer=timer)
+    results["auto_choice"] = choice.to_dict()
+    results["auto_timer_calls"] = len(calls)
+    # A decision taken with the real clock on small CPU payloads: well under a second.
+    results["auto_wall_seconds"] = comms.decide(config, process_group=pg, embedding_dims=[16, 48], batch_size=4).seconds
+
+    ref_vals, _, _, _ = _forward_backward(comms.CommsConfig(forward="fp32", backward="fp32"), pg, rank, world_size, 7)
+    dmp, sharders = _dmp(config, pg, world_size)
+    selection = sharders[0].comms_selection
+    a2a = next(iter(sharders[0].bound_registries.values()))["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    kjt = _kjt(rank, seed=1)
+    tw = [f"f_{n}" for n, _, _, st in TABLES if st != "row_wise"]
+
+    def forward_error():
+        with torch.no_grad():
+            out = dmp(kjt)
+        return max(float((out[k].to(torch.float64) - ref_vals[k]).abs().max()) for k in tw)
+
+    results["auto_undecided_dtype"] = str(a2a.forward.quantized_dtype)
+    results["auto_undecided_err"] = forward_error()
+    results["auto_undecided_counts"] = sharders[0].nonfinite_counters.as_dict()
+    selection.set(choice)  # after DMP exists: no re-sharding
+    results["auto_decided_fwd_dtype"] = str(a2a.forward.quantized_dtype)
+    results["auto_decided_bwd_dtype"] = str(a2a.backward.quantized_dtype)
+    results["auto_decided_err"] = forward_error()
+    results["auto_decided_counts"] = sharders[0].nonfinite_counters.as_dict()
 
 
 def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
@@ -399,7 +449,9 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         pg = dist.group.WORLD
-        for scenario in (_scenario_raw_a2a, _scenario_dmp, _scenario_sync_collectives, _scenario_sequence, _scenario_training):
+        for scenario in (
+            _scenario_raw_a2a, _scenario_dmp, _scenario_sync_collectives, _scenario_sequence, _scenario_training, _scenario_auto
+        ):
             scenario(rank, world_size, pg, results)
     except Exception:  # reported to the test process, which fails with the traceback
         results["error"] = traceback.format_exc()
@@ -508,3 +560,33 @@ def test_sync_collectives_train_embeddings_through_fp8_codecs(ranks):
         assert res["sync_no_grad_forward_excess"] <= 0.0
         assert res["sync_no_grad_rel_frobenius"] > BF16_U
         assert "pooled_embeddings_all_to_all/forward/sent" in res["sync_counts"]
+
+
+@pytest.mark.slow
+def test_auto_comms_every_rank_takes_the_max_decision(ranks):
+    choices = [res["auto_choice"] for res in ranks]
+    assert choices[0] == {**choices[1], "seconds": choices[0]["seconds"]}  # the same decision and timings
+    choice = choices[0]
+    # Alone, rank 0 keeps fp32 both ways and rank 1 takes fp8 both ways: the MAX gives fp8 / fp32.
+    assert (choice["forward"], choice["backward"]) == ("fp8", "fp32")
+    assert choice["times_ms"]["forward"] == pytest.approx({"fp32": 3.0, "fp8": 2.5})
+    assert choice["times_ms"]["backward"] == pytest.approx({"fp32": 4.0, "fp8": 5.0})
+    assert choice["world_size"] == 2 and choice["decided"] == ["forward", "backward"]
+    assert "faster" in choice["reasons"]["forward"] and "not faster" in choice["reasons"]["backward"]
+    assert choice["payload"]["rows_per_rank"] == 4 and choice["payload"]["width"] % choice["payload"]["block"] == 0
+    for res in ranks:
+        assert res["auto_timer_calls"] == 4 * (2 + 5)  # 4 candidates, 2 warm-up + 5 timed runs each
+        assert res["auto_wall_seconds"] < 1.0
+
+
+@pytest.mark.slow
+def test_auto_comms_choice_switches_the_installed_codecs(ranks):
+    for res in ranks:
+        # Undecided: the installed codecs send fp32 unchanged (exactly TorchRec's fp32 result).
+        assert res["auto_undecided_dtype"] == "torch.float32"
+        assert res["auto_undecided_err"] == 0.0
+        assert not any(k.startswith("pooled_embeddings_all_to_all") for k in res["auto_undecided_counts"])
+        # fp8 forward chosen: FP8 bytes on the wire (E4M3 error), the backward stays fp32.
+        assert res["auto_decided_fwd_dtype"] == "torch.uint8" and res["auto_decided_bwd_dtype"] == "torch.float32"
+        assert res["auto_decided_err"] > 0.0
+        assert "pooled_embeddings_all_to_all/forward/sent" in res["auto_decided_counts"]

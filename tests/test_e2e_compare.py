@@ -27,7 +27,10 @@ def test_run_overrides_and_window(monkeypatch):
     assert args.window_start == 280 and args.seeds == [0, 1]  # warm-up 200 + plan + step-time guard
     loka = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka"], 1)
     assert loka[:2] == ["model=hstu_large", "device=cuda"]
-    for item in ("loka.probe.enabled=true", "loka.mods.preset=all", "loka.comms.forward=fp8", "loka.probe.warmup_steps=200",
+    assert not any(item.startswith("loka.comms.") for item in loka)  # comms at the default: auto
+    off = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka_comms_off"], 0)
+    assert "loka.comms.forward=fp32" in off and "loka.comms.backward=fp32" in off
+    for item in ("loka.probe.enabled=true", "loka.mods.preset=all", "loka.probe.warmup_steps=200",
                  "seed=1", "train.steps=500", "train.timing_start=280", "train.autocast=bf16"):
         assert item in loka
     assert loka[-1] == "data.batch_size=64"  # the user's overrides win

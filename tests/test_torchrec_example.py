@@ -46,3 +46,5 @@ def test_example_with_loka_probes_plans_and_compresses_comms(tmp_path):
                              capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="300"))  # fmt: skip
     assert inspect.returncode == 0, inspect.stderr[-2000:]
     assert "model.dense_arch." in inspect.stdout and "wgrad" in inspect.stdout  # every layer, every role
+    assert "comms: forward fp8, backward bf16" in inspect.stdout  # set explicitly: no timing, no reason
+    assert json.loads((run_dir / "comms_plan.json").read_text())["choice"] is None

@@ -59,6 +59,18 @@ def test_two_rank_training_with_loka_learns_and_logs(tmp_path):
     # with the speed gate off, accurate FP8 kernels run (real torch._scaled_mm on the CPU)
     assert summary["loka"]["fp8_gemms"] > 0
     assert "LoKA dispatch plan" in proc.stdout
+    # comms at the default: decided by timing the all-to-all on both ranks, before the first step
+    comms = json.loads((run_dir / "comms_plan.json").read_text())
+    choice = comms["choice"]
+    assert choice["world_size"] == 2 and choice["decided"] == ["forward", "backward"] and not comms["restored"]
+    for direction in ("forward", "backward"):
+        times = choice["times_ms"][direction]
+        assert set(times) == {"fp32", "fp8"} and all(t > 0 for t in times.values())
+        assert comms[direction] == ("fp8" if times["fp8"] < times["fp32"] else "fp32")
+    assert choice["payload"]["rows_per_rank"] == 128  # the job's batch size
+    assert choice["seconds"] < 5.0
+    assert summary["loka"]["comms_choice"] == choice
+    assert "embedding comms  forward" in proc.stdout
 
 
 @pytest.mark.slow
@@ -73,6 +85,11 @@ def test_resume_continues_step_counter_and_metrics(tmp_path):
     steps = [r["step"] for r in read_metrics(resumed) if "train/ne" in r]
     assert steps[0] == 30  # the step counter continued from 20 (logging every 10)
     assert "resumed" in (resumed / "rank0" / "train.log").read_text()
+    # the comms decision comes back from the checkpoint, not from a new timing
+    first, again = (json.loads((d / "comms_plan.json").read_text()) for d in (run_dir, resumed))
+    assert not first["restored"] and again["restored"]
+    assert again["choice"] == first["choice"]  # same timings and decision time: nothing was re-timed
+    assert "restored from the checkpoint" in (resumed / "rank0" / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -307,7 +307,9 @@ class Trainer:
         #    Dispatch and the compile of the dense modules, on the unsharded model before DMP wraps it.
         self.loka = None
         if loka_config.enabled:
-            self.loka = prepare(model, loka_config, run_dir=run_dir, compile=train_config.compile, device=ctx.device)
+            self.loka = prepare(
+                model, loka_config, run_dir=run_dir, compile=train_config.compile, device=ctx.device, batch_size=batch_size
+            )
             self.loka_cfg = self.loka.config
             if ctx.is_main:
                 logger.info("%s", self.loka)
@@ -373,6 +375,10 @@ class Trainer:
         self.last_checkpoint: Optional[str] = None
         if train_config.resume:
             self._resume(train_config.resume)
+        # 8. The "auto" comms precisions, from a short timing of the all-to-all (restored on resume;
+        #    logged by the library).
+        if self.loka is not None:
+            self.loka.decide_comms()
 
     # ------------------------------------------------------------------ set-up helpers
     def _step_profiler(self) -> Optional[StepProfiler]:
@@ -701,4 +707,6 @@ class Trainer:
                 "dispatch": dict(self.loka.dispatcher.seconds),
             },
             "monitoring": self.probe.cadence.summary() if self.probe is not None else None,
+            "comms": self.loka.comms_summary(),
+            "comms_choice": None if self.loka.comms_choice is None else self.loka.comms_choice.to_dict(),
         }

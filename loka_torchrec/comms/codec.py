@@ -31,11 +31,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.profiler import record_function
 
+from loka_torchrec.comms.choice import CommsSelection
+from loka_torchrec.comms.config import CommsConfig
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.kernels import fp8_comm_codec as wire
 
@@ -54,6 +56,7 @@ __all__ = [
     "Fp8CommCodec",
     "Bf16CommCodec",
     "Fp32CommCodec",
+    "AutoCommCodec",
 ]
 
 
@@ -412,3 +415,75 @@ class Fp32CommCodec:
 
     def __repr__(self) -> str:
         return f"Fp32CommCodec({self.name})"
+
+
+class AutoCommCodec:
+    """A codec whose precision is the run's :class:`~loka_torchrec.comms.choice.CommsSelection`.
+
+    TorchRec keeps the codec objects a sharder hands it (in each sharded module's all-to-all)
+    and calls ``create_context``, ``padded_size``, ``encode``, ``calc_quantized_size`` and
+    ``decode`` on them at every collective; only the planner reads ``quantized_dtype``, once,
+    before ``DistributedModelParallel`` exists. So this codec reads the selection at every call
+    and hands the call to the concrete codec of the precision in force (built on first use by
+    ``build`` from ``config`` with its ``"auto"`` directions resolved): the precision can be set
+    after DMP, without re-sharding. Before a choice is set it is the fp32 codec (the payload
+    passes unchanged), which is also what the planner sees. The choice must not change between
+    a collective's ``create_context`` and its ``decode``: set it between training steps.
+
+    Args:
+        name: ``"<comm op>/<direction>"``.
+        config: the comm config (its ``"auto"`` directions follow ``selection``).
+        selection: the run's selection, shared by all of its ``"auto"`` codecs.
+        build: ``build(resolved_config) -> codec`` for this op and direction (picklable, e.g. a
+            ``functools.partial`` of a module-level function).
+    """
+
+    def __init__(
+        self, *, name: str, config: CommsConfig, selection: CommsSelection, build: Callable[[CommsConfig], object]
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.selection = selection
+        self._build = build
+        self._codecs: Dict[Tuple[str, str], object] = {}
+
+    @property
+    def active(self):
+        """The concrete codec of the precisions in force now."""
+        key = self.selection.precisions()
+        codec = self._codecs.get(key)
+        if codec is None:
+            codec = self._codecs.setdefault(key, self._build(self.config.resolved(*key)))
+        return codec
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return self.active.quantized_dtype
+
+    def create_context(self) -> CommCodecContext:
+        return self.active.create_context()
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        return self.active.encode(input_tensor, ctx)
+
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[CommCodecContext] = None) -> torch.Tensor:
+        return self.active.decode(input_grad, ctx)
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[CommCodecContext] = None) -> int:
+        return self.active.calc_quantized_size(input_len, ctx)
+
+    def padded_size(self, input_tensor, dim_per_rank, my_rank, qcomm_ctx) -> Tuple[int, int]:
+        return self.active.padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx)
+
+    @property
+    def bytes_per_value(self) -> float:
+        return self.active.bytes_per_value
+
+    @property
+    def counters(self) -> Optional[NonFiniteCounters]:
+        """The non-finite counters of the codec in force (``None`` for fp32, which counts nothing)."""
+        return getattr(self.active, "counters", None)
+
+    def __repr__(self) -> str:
+        state = "undecided" if self.selection.choice is None else "decided"
+        return f"AutoCommCodec({self.name}, {state}: {self.active!r})"

@@ -6,9 +6,10 @@ import dataclasses
 
 from loka_torchrec.fp8 import Fp8Format
 
-__all__ = ["CommsConfig", "PRECISIONS", "SCALE_FORMATS", "KERNELS", "DEFAULT_BLOCK"]
+__all__ = ["CommsConfig", "PRECISIONS", "FIXED_PRECISIONS", "SCALE_FORMATS", "KERNELS", "DEFAULT_BLOCK"]
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+FIXED_PRECISIONS = ("fp32", "bf16", "fp8")
+PRECISIONS = ("auto",) + FIXED_PRECISIONS
 SCALE_FORMATS = ("fp32", "e8m0")
 KERNELS = ("auto", "torch", "triton")
 _FP8_FORMATS = (Fp8Format.E4M3.value, Fp8Format.E5M2.value)
@@ -22,8 +23,12 @@ class CommsConfig:
     """Precision of the embedding all-to-all, per direction.
 
     Attributes:
-        forward: ``"fp32"`` (no compression), ``"bf16"`` or ``"fp8"``: the pooled and sequence
-            embeddings sent in the forward pass.
+        forward: ``"auto"`` (default: fp8 or fp32, whichever a short timing of the run's
+            all-to-all on its own process group finds faster, taken once before the first
+            training step and kept on resume; fp32 on one rank, where the all-to-all crosses no
+            link; see :mod:`loka_torchrec.comms.auto`), ``"fp32"`` (no compression), ``"bf16"``
+            or ``"fp8"``: the pooled and sequence embeddings sent in the forward pass. A fixed
+            precision is used as given.
         backward: the same choice for their gradients in the backward pass.
         forward_format: FP8 format of the forward payload, ``"e4m3"`` (default) or ``"e5m2"``.
         backward_format: FP8 format of the gradients, ``"e5m2"`` (default) or ``"e4m3"``.
@@ -39,16 +44,18 @@ class CommsConfig:
 
     Example::
 
+        >>> CommsConfig().forward
+        'auto'
         >>> CommsConfig(forward="fp8", backward="bf16").backward_format
         'e5m2'
         >>> CommsConfig(forward="int8")
         Traceback (most recent call last):
         ...
-        ValueError: CommsConfig.forward: expected one of fp32, bf16, fp8, got 'int8'
+        ValueError: CommsConfig.forward: expected one of auto, fp32, bf16, fp8, got 'int8'
     """
 
-    forward: str = "fp32"
-    backward: str = "fp32"
+    forward: str = "auto"
+    backward: str = "auto"
     forward_format: str = "e4m3"
     backward_format: str = "e5m2"
     block_size: int = 0
@@ -77,5 +84,18 @@ class CommsConfig:
 
     @property
     def enabled(self) -> bool:
-        """True when either direction is compressed."""
+        """True when either direction is compressed or decided per run (``"auto"``): codecs are installed."""
         return self.forward != "fp32" or self.backward != "fp32"
+
+    @property
+    def auto(self) -> bool:
+        """True when either direction is ``"auto"`` (decided per run from a measurement)."""
+        return "auto" in (self.forward, self.backward)
+
+    def resolved(self, forward: str, backward: str) -> "CommsConfig":
+        """This config with its ``"auto"`` directions set to ``forward`` / ``backward`` (fixed ones kept)."""
+        return dataclasses.replace(
+            self,
+            forward=forward if self.forward == "auto" else self.forward,
+            backward=backward if self.backward == "auto" else self.backward,
+        )

@@ -53,6 +53,9 @@ def bytes_per_value(config: CommsConfig, direction: str, embedding_dim: int, *, 
         embedding_dim: the embedding width that sets the block when ``block_size == 0``.
         comm_op: a ``CommOp`` name; the reduce-scatter steps fp8 down to bf16.
 
+    An ``"auto"`` direction counts as fp32: the planner runs before the run measures its
+    all-to-all, and until then the codecs send fp32.
+
     Example::
 
         >>> bytes_per_value(CommsConfig(forward="fp8"), "forward", 128)
@@ -65,7 +68,7 @@ def bytes_per_value(config: CommsConfig, direction: str, embedding_dim: int, *, 
     precision = getattr(config, direction)
     if precision == "fp8" and comm_op == _RS_OP:
         precision = "bf16"
-    if precision == "fp32":
+    if precision in ("fp32", "auto"):
         return 4.0
     if precision == "bf16":
         return 2.0
@@ -161,7 +164,7 @@ def _sharder_key(option: ShardingOption) -> str:
 
 def _nominal(precision: str) -> float:
     """Bytes per value the stock planner assumes from ``quantized_dtype`` (uint8 for FP8)."""
-    return {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0}[precision]
+    return {"auto": 4.0, "fp32": 4.0, "bf16": 2.0, "fp8": 1.0}[precision]
 
 
 def estimators(

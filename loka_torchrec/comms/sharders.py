@@ -8,12 +8,14 @@ from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ModuleSharder, QuantizedCommCodecs
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from loka_torchrec.comms.choice import CommsSelection
 from loka_torchrec.comms.codec import NonFiniteCounters
 from loka_torchrec.comms.config import CommsConfig
 from loka_torchrec.comms.registry import registry
 
-__all__ = ["sharders", "module_embedding_dims", "LokaEmbeddingBagCollectionSharder", "LokaEmbeddingCollectionSharder"]
+__all__ = ["sharders", "module_embedding_dims", "model_embedding_dims", "LokaEmbeddingBagCollectionSharder", "LokaEmbeddingCollectionSharder"]
 
 
 def module_embedding_dims(module: nn.Module, params: Optional[Dict[str, Any]] = None) -> List[int]:
@@ -38,21 +40,47 @@ def module_embedding_dims(module: nn.Module, params: Optional[Dict[str, Any]] = 
     return dims
 
 
+def model_embedding_dims(model: nn.Module) -> List[int]:
+    """The embedding dim of every table of every ``EmbeddingBagCollection`` / ``EmbeddingCollection`` in ``model``.
+
+    Read from the unsharded model (before ``DistributedModelParallel`` replaces these modules);
+    ``"auto"`` comms time an all-to-all of their sum's per-rank share.
+    """
+    return [d for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for d in module_embedding_dims(m)]
+
+
 class _RowBoundCodecs:
     """Mixin: while ``shard()`` runs, ``qcomm_codecs_registry`` is built for that module's dims.
 
-    The registries built so are kept in ``bound_registries`` (by module fqn) for inspection.
+    The registries built so are kept in ``bound_registries`` (by module fqn) for inspection. With
+    an ``"auto"`` direction all of them follow ``comms_selection`` (see
+    :class:`~loka_torchrec.comms.codec.AutoCommCodec`).
     """
 
     _comms_config: CommsConfig
     nonfinite_counters: NonFiniteCounters
+    comms_selection: Optional[CommsSelection]
     _bound_registry: Optional[Dict[str, QuantizedCommCodecs]] = None
 
-    def _init_comms(self, config: CommsConfig, counters: Optional[NonFiniteCounters]) -> None:
+    def __init__(
+        self,
+        config: CommsConfig,
+        *,
+        counters: Optional[NonFiniteCounters] = None,
+        selection: Optional[CommsSelection] = None,
+        **kwargs: Any,
+    ) -> None:
         self._comms_config = config
         self.nonfinite_counters = counters if counters is not None else NonFiniteCounters()
+        if config.auto and selection is None:
+            selection = CommsSelection()
+        self.comms_selection = selection if config.auto else None
         self._bound_registry = None
         self.bound_registries: Dict[str, Dict[str, QuantizedCommCodecs]] = {}
+        super().__init__(
+            qcomm_codecs_registry=registry(config, counters=self.nonfinite_counters, selection=self.comms_selection),
+            **kwargs,
+        )
 
     @property
     def qcomm_codecs_registry(self) -> Optional[Dict[str, QuantizedCommCodecs]]:
@@ -62,7 +90,9 @@ class _RowBoundCodecs:
 
     def shard(self, module: nn.Module, params: Dict[str, Any], *args: Any, **kwargs: Any):
         dims = module_embedding_dims(module, params)
-        self._bound_registry = registry(self._comms_config, embedding_dims=dims or None, counters=self.nonfinite_counters)
+        self._bound_registry = registry(
+            self._comms_config, embedding_dims=dims or None, counters=self.nonfinite_counters, selection=self.comms_selection
+        )
         if self._bound_registry is not None:
             self.bound_registries[str(kwargs.get("module_fqn") or len(self.bound_registries))] = self._bound_registry
         try:
@@ -77,20 +107,15 @@ class LokaEmbeddingBagCollectionSharder(_RowBoundCodecs, EmbeddingBagCollectionS
     Args:
         config: comm precisions.
         counters: shared non-finite counters (``self.nonfinite_counters``).
+        selection: the choice of the ``"auto"`` directions (``self.comms_selection``); a new one
+            when ``None``.
         **kwargs: passed to ``EmbeddingBagCollectionSharder`` (e.g. ``fused_params``).
     """
 
-    def __init__(self, config: CommsConfig, *, counters: Optional[NonFiniteCounters] = None, **kwargs: Any) -> None:
-        self._init_comms(config, counters)
-        super().__init__(qcomm_codecs_registry=registry(config, counters=self.nonfinite_counters), **kwargs)
-
 
 class LokaEmbeddingCollectionSharder(_RowBoundCodecs, EmbeddingCollectionSharder):
-    """``EmbeddingCollectionSharder`` with loka comm codecs (one scale per embedding row)."""
-
-    def __init__(self, config: CommsConfig, *, counters: Optional[NonFiniteCounters] = None, **kwargs: Any) -> None:
-        self._init_comms(config, counters)
-        super().__init__(qcomm_codecs_registry=registry(config, counters=self.nonfinite_counters), **kwargs)
+    """``EmbeddingCollectionSharder`` with loka comm codecs (one scale per embedding row); arguments as
+    :class:`LokaEmbeddingBagCollectionSharder`."""
 
 
 def sharders(
@@ -98,17 +123,21 @@ def sharders(
     *,
     counters: Optional[NonFiniteCounters] = None,
     fused_params: Optional[Dict[str, Any]] = None,
+    selection: Optional[CommsSelection] = None,
 ) -> List[ModuleSharder[nn.Module]]:
     """``[EmbeddingBagCollectionSharder, EmbeddingCollectionSharder]`` with loka comm codecs.
 
     At sharding time each module's codecs get the gcd of its embedding dims (and column-shard
     widths) as block when ``config.block_size == 0``: one scale per embedding row. All codecs
-    share one :class:`NonFiniteCounters` (``sharder.nonfinite_counters``).
+    share one :class:`NonFiniteCounters` (``sharder.nonfinite_counters``) and, with an ``"auto"``
+    direction, one :class:`~loka_torchrec.comms.choice.CommsSelection` (``sharder.comms_selection``):
+    setting a choice on it switches every codec, after ``DistributedModelParallel`` too.
 
     Args:
         config: comm precisions (all-fp32 gives plain sharders with no codecs).
         counters: the shared counters; a new one when ``None``.
         fused_params: passed to both sharders (TBE options such as the fused optimizer).
+        selection: the shared choice of the ``"auto"`` directions; a new one when ``None``.
 
     Example::
 
@@ -119,8 +148,10 @@ def sharders(
     if not isinstance(config, CommsConfig):
         raise TypeError(f"config: expected a CommsConfig, got {type(config).__name__}")
     counters = counters if counters is not None else NonFiniteCounters()
+    if config.auto and selection is None:
+        selection = CommsSelection()
     kwargs = {"fused_params": fused_params} if fused_params is not None else {}
     return [
-        LokaEmbeddingBagCollectionSharder(config, counters=counters, **kwargs),
-        LokaEmbeddingCollectionSharder(config, counters=counters, **kwargs),
+        LokaEmbeddingBagCollectionSharder(config, counters=counters, selection=selection, **kwargs),
+        LokaEmbeddingCollectionSharder(config, counters=counters, selection=selection, **kwargs),
     ]

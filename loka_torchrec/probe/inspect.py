@@ -11,7 +11,8 @@ Columns: the layer and its shape (``rows x in -> out``), the merged input amax, 
 largest E4M3 underflow fraction and the delayed-scaling saturation fraction, then per GEMM role
 the best FP8 candidate (fastest within the gates, else most accurate) with its MERE and speedup
 (intervals in brackets), the decision and its reason (from ``RUN_DIR/dispatch_plan.json`` when
-present). A second table compares ranks. Exit status: 0 shown, 1 the run directory cannot be
+present). A second table compares ranks. A last line gives the embedding comms precisions from
+``RUN_DIR/comms_plan.json`` (for ``auto``: the timings and the reason). Exit status: 0 shown, 1 the run directory cannot be
 shown (one line says why), 2 bad arguments.
 """
 
@@ -24,10 +25,11 @@ import shutil
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from loka_torchrec.comms.choice import CommsChoice
 from loka_torchrec.probe.logs import to_jsonable
 from loka_torchrec.probe.run_view import ROLES, RunDirError, RunView, best_candidate, load_run, rank_comparison
 
-__all__ = ["main", "build_report"]
+__all__ = ["main", "build_report", "comms_line"]
 
 
 def _f(x: Any) -> float:
@@ -96,8 +98,36 @@ def build_report(view: RunView, *, layer_glob: Optional[str] = None, z_threshold
         "gates": {"max_error": view.max_error, "min_speedup": view.min_speedup},
         "layers": layers,
         "ranks": rank_comparison(view.ranks, z_threshold=z_threshold),
+        "comms": _comms_plan(view),
         "warnings": view.warnings,
     }
+
+
+def _comms_plan(view: RunView) -> Optional[Dict[str, Any]]:
+    """``RUN_DIR/comms_plan.json`` (``None`` when absent; unreadable: a warning)."""
+    path = view.run_dir / "comms_plan.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        view.warnings.append(f"comms_plan.json is unreadable ({exc}); the comms precisions are not shown")
+        return None
+
+
+def comms_line(plan: Optional[Dict[str, Any]]) -> str:
+    """One line: the comms precision of each direction and, for ``auto``, why."""
+    if plan is None:
+        return "comms: no comms_plan.json"
+    text = f"comms: forward {plan.get('forward')}, backward {plan.get('backward')}"
+    if plan.get("choice"):
+        try:
+            summary = CommsChoice.from_dict(plan["choice"]).summary()
+        except (TypeError, ValueError) as exc:
+            summary = f"choice unreadable: {exc}"
+        restored = "restored from a checkpoint: " if plan.get("restored") else ""
+        text += f" (auto, {restored}{summary})"
+    return text
 
 
 def _shorten(text: str, limit: int = 90) -> str:
@@ -243,6 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(json.dumps(to_jsonable(report), indent=1))
         else:
             _print_tables(report, show_ranks=True)
+            print(comms_line(report["comms"]))
             if args.plot:
                 print(f"plot written to {args.plot}")
     except BrokenPipeError:  # `loka-inspect ... | head`
