@@ -398,19 +398,27 @@ class SiteMode(TorchFunctionMode):
                 site.other_uses[name] = site.other_uses.get(name, 0) + 1
 
 
-def _scoped_forward(module: nn.Module, mode: SiteMode, *args: Any, **kwargs: Any) -> Any:
+def _scoped_forward(module: nn.Module, mode: SiteMode, inner: Optional[Callable], *args: Any, **kwargs: Any) -> Any:
     with mode:
+        if inner is not None:
+            return inner(*args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
 
 
 def scope_module(module: nn.Module, sites: Sequence[GemmSite]) -> None:
     """Make ``module``'s forward run under a :class:`SiteMode` for ``sites`` (idempotent: replaces
     an earlier scope). The sites that are ``ParameterSite`` modules become its children in
-    ``_loka_sites`` (no parameters, nothing persistent: ``state_dict`` keys are unchanged)."""
+    ``_loka_sites`` (no parameters, nothing persistent: ``state_dict`` keys are unchanged).
+
+    A forward the module already had as an instance attribute (a function-level mod's scope,
+    :mod:`loka_torchrec.mods.functional`) runs inside the mode, so both apply."""
     own = [s for s in sites if isinstance(s, ParameterSite)]
     if own:
         module._loka_sites = nn.ModuleDict({s.path.replace(".", "_"): s for s in own})
-    module.forward = functools.partial(_scoped_forward, module, SiteMode(sites))
+    inner = module.__dict__.get("forward")
+    if is_scoped(module):
+        inner = inner.args[2]
+    module.forward = functools.partial(_scoped_forward, module, SiteMode(sites), inner)
 
 
 def is_scoped(module: nn.Module) -> bool:

@@ -119,13 +119,16 @@ class ModResult:
         name: the mod (one of :data:`MOD_NAMES`).
         modules: FQNs of the modules it changed or replaced (as named before the change).
         skipped: ``(fqn, reason)`` for candidates it left alone on purpose.
-        unmatched: when it changed nothing, why (:func:`~loka_torchrec.mods.unmatched.why_unmatched`).
+        unmatched: when it changed no module, why (:func:`~loka_torchrec.mods.unmatched.why_unmatched`).
+        functions: the calls it rewrites at the function level, one line per call and module class
+            (:func:`~loka_torchrec.mods.functional.rewrite_functions`).
     """
 
     name: str
     modules: Tuple[str, ...] = ()
     skipped: Tuple[Tuple[str, str], ...] = ()
     unmatched: str = ""
+    functions: Tuple[str, ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.name}: {len(self.modules)} module(s)"
@@ -135,6 +138,8 @@ class ModResult:
             text += f" ({self.unmatched})"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{fqn} ({why})" for fqn, why in self.skipped)
+        if self.functions:
+            text += "; function level: " + "; ".join(self.functions)
         return text
 
 
@@ -165,15 +170,16 @@ class ModsReport:
 
     @property
     def changed(self) -> bool:
-        """Whether any mod changed any module."""
-        return any(r.modules for r in self.results)
+        """Whether any mod changed any module or rewrites any function call."""
+        return any(r.modules or r.functions for r in self.results)
 
     def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready summary: ``{"preset": ..., "mods": {name: {"modules": [...], "skipped": [...]}}}``."""
+        """A JSON-ready summary: ``{"preset": ..., "mods": {name: {"modules": [...], "skipped": [...], "functions": [...]}}}``."""
         return {
             "preset": self.config.preset,
             "mods": {
-                r.name: {"modules": list(r.modules), "skipped": [list(s) for s in r.skipped]} for r in self.results
+                r.name: {"modules": list(r.modules), "skipped": [list(s) for s in r.skipped], "functions": list(r.functions)}
+                for r in self.results
             },
         }
 
