@@ -213,16 +213,17 @@ class Dispatcher(EvidenceConsumer):
             )
         return plan
 
-    def check_gradients(self, step_fn: Callable[[], object], *, step: int = 0) -> DispatchPlan:
-        """Send back to bf16 the FP8 roles that push a site's weight gradient below
+    def check_gradients(self, loss_fn: Callable[[], torch.Tensor], *, step: int = 0) -> DispatchPlan:
+        """Send back to bf16 the FP8 roles that put a site's weight gradient below
         ``dispatch.min_grad_sqnr_db`` against high precision (:mod:`loka_torchrec.dispatch.grad_check`).
 
-        ``step_fn`` runs one deterministic forward + backward of the model on a fixed batch, with no
-        collectives (every rank runs the check on its own; rank 0's plan is broadcast). Call it after
-        a plan is made (a ``policy`` replan, or at start for a static or pinned plan); the checked plan
-        is applied, saved and returned, and each run and demotion is a ``grad_check`` event.
+        ``loss_fn`` runs one deterministic forward of the model on a fixed batch and returns the
+        scalar loss; it must run no collectives (every rank checks on its own; rank 0's plan is
+        broadcast). No Parameter's ``.grad`` changes. Call it after a plan is made (a ``policy``
+        replan, or at start for a static or pinned plan); the checked plan is applied, saved and
+        returned, and each run and demotion is a ``grad_check`` event.
         """
-        plan, records = check_plan_gradients(self.plan, self._layers, step_fn, floor_db=self.config.min_grad_sqnr_db)
+        plan, records = check_plan_gradients(self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db)
         plan = self._annotated(self._broadcast(plan))
         for record in records:
             self._record({"event": "grad_check", "step": step, **record})

@@ -3,13 +3,13 @@
 The accuracy gate of the policy (:mod:`loka_torchrec.dispatch.policy`) judges each GEMM alone: the
 error of its output against float64. It cannot see what the model does with that error downstream.
 A forward GEMM's error travels through everything after it, and some models amplify it: in an HSTU
-block the fused u|v|q|k projection feeds ``silu(q k^T)`` attention and a layer norm over one
-head's ``attn @ v``, which divides by a small per-row spread; a forward error that is small for the
-projection's output becomes a large one in every weight gradient of the model, while the same
-projection's grad-weight GEMM alone stays accurate.
+block the fused u|v|q|k projection feeds ``silu(q k^T)`` attention and per-head layer norms, and
+a forward error that is small for the projection's output can become a large one in every weight
+gradient of the model, while the same projection's grad-weight GEMM alone stays accurate.
 
-This check measures that on the model itself. ``step_fn`` runs one forward and backward on a fixed
-batch; the check runs it
+This check measures that on the model itself. ``loss_fn`` runs one forward on a fixed batch and
+returns the scalar loss; the check takes the sites' weight gradients of that loss
+(``torch.autograd.grad``: no ``.grad`` of any Parameter changes) and runs it
 
 1. with every site in high precision (the reference),
 2. with the plan's kernels: the SQNR of each site's weight gradient against the reference;
@@ -19,9 +19,8 @@ batch; the check runs it
 4. then sends the most damaging (site, role) back to bf16 and runs the plan again, one at a time,
    until every weight gradient is at or above the floor (or nothing is left in FP8).
 
-A demoted role's reason in the plan names the gradient it damaged and both SQNRs. ``step_fn`` must
-be deterministic (fixed batch, no dropout, no optimizer step) and must not zero gradients itself:
-the check sets the sites' weight gradients to ``None`` before each run and restores them after.
+A demoted role's reason in the plan names the gradient it damaged and both SQNRs. ``loss_fn`` must
+be deterministic (fixed batch, no dropout): every run must see the same model and data.
 """
 
 from __future__ import annotations
@@ -50,14 +49,14 @@ def site_parameter(module: torch.nn.Module) -> torch.nn.Parameter:
     return module.operand if hasattr(module, "operand") else module.weight
 
 
-def _gradients(layers: Dict[str, torch.nn.Module], kernels: Dict[str, LayerKernels], step_fn: Callable[[], object]):
-    params = {name: site_parameter(m) for name, m in layers.items()}
-    for name, module in layers.items():
-        module.set_kernels(kernels.get(name, LayerKernels()))
-    for p in params.values():
-        p.grad = None
-    step_fn()
-    return {name: (p.grad.detach().double().clone() if p.grad is not None else None) for name, p in params.items()}
+def _gradients(layers: Dict[str, torch.nn.Module], kernels: Dict[str, LayerKernels], loss_fn: Callable[[], torch.Tensor]):
+    """Each site's weight gradient (float64) with ``kernels`` (high precision where none is given)."""
+    names = list(layers)
+    params = [site_parameter(layers[name]) for name in names]
+    for name in names:
+        layers[name].set_kernels(kernels.get(name, LayerKernels()))
+    grads = torch.autograd.grad(loss_fn(), params, allow_unused=True)
+    return {name: (g.detach().double() if g is not None else None) for name, g in zip(names, grads)}
 
 
 def _worst(grads, reference) -> Tuple[float, str]:
@@ -76,7 +75,7 @@ def _worst(grads, reference) -> Tuple[float, str]:
 def check_plan_gradients(
     plan: DispatchPlan,
     layers: Dict[str, torch.nn.Module],
-    step_fn: Callable[[], object],
+    loss_fn: Callable[[], object],
     *,
     floor_db: float = DEFAULT_FLOOR_DB,
 ) -> Tuple[DispatchPlan, List[dict]]:
@@ -86,7 +85,8 @@ def check_plan_gradients(
         plan: the plan to check (any mode's).
         layers: FQN -> site (``LokaLinear`` or ``ParameterSite``); their kernels are the plan's
             again when the check returns.
-        step_fn: one deterministic forward + backward of the model (see the module docstring).
+        loss_fn: one deterministic forward of the model, returning the scalar loss (see the module
+            docstring).
         floor_db: the SQNR every site's weight gradient must reach against high precision.
 
     Returns:
@@ -94,16 +94,15 @@ def check_plan_gradients(
         per demotion (site, role, kernel, the damage it did alone).
     """
     planned = {name: lp.kernels for name, lp in plan.layers.items() if name in layers}
-    saved = {name: site_parameter(m).grad for name, m in layers.items()}
     records: List[dict] = []
     try:
-        reference = _gradients(layers, {}, step_fn)
+        reference = _gradients(layers, {}, loss_fn)
         current = dict(planned)
-        worst, where = _worst(_gradients(layers, current, step_fn), reference)
+        worst, where = _worst(_gradients(layers, current, loss_fn), reference)
         records.append({"kind": "plan", "worst_db": worst, "site": where, "fp8_roles": _fp8_roles(current)})
         if worst >= floor_db:
             return plan, records
-        damage = _solo_damage(layers, current, step_fn, reference)
+        damage = _solo_damage(layers, current, loss_fn, reference)
         order = sorted(damage, key=lambda key: damage[key][0])
         demoted: Dict[Tuple[str, GemmRole], str] = {}  # (site, role) -> the reason written into the plan
         for name, role in order:
@@ -111,7 +110,7 @@ def check_plan_gradients(
             choice = current[name].for_role(role)
             current[name] = current[name].replace(role, BF16)
             before = worst
-            worst, where = _worst(_gradients(layers, current, step_fn), reference)
+            worst, where = _worst(_gradients(layers, current, loss_fn), reference)
             demoted[(name, role)] = (
                 f"gradient check: {choice} in {role.value} alone puts {hurt}'s weight gradient at {alone:.1f} dB "
                 f"vs high precision; the plan's worst was {before:.1f} dB < floor {floor_db} dB"
@@ -124,14 +123,13 @@ def check_plan_gradients(
     finally:
         for name, module in layers.items():
             module.set_kernels(planned.get(name, LayerKernels()))
-            site_parameter(module).grad = saved[name]
 
 
 def _fp8_roles(kernels: Dict[str, LayerKernels]) -> int:
     return sum(not k.for_role(role).is_high_precision for k in kernels.values() for role in _ROLES)
 
 
-def _solo_damage(layers, kernels: Dict[str, LayerKernels], step_fn, reference) -> Dict[Tuple[str, GemmRole], Tuple[float, str]]:
+def _solo_damage(layers, kernels: Dict[str, LayerKernels], loss_fn, reference) -> Dict[Tuple[str, GemmRole], Tuple[float, str]]:
     """(site, role) -> (worst weight-gradient SQNR with that role alone in FP8, the site it hit)."""
     damage = {}
     for name, k in kernels.items():
@@ -140,7 +138,7 @@ def _solo_damage(layers, kernels: Dict[str, LayerKernels], step_fn, reference) -
             if choice.is_high_precision:
                 continue
             alone = {name: LayerKernels().replace(role, choice)}
-            damage[(name, role)] = _worst(_gradients(layers, alone, step_fn), reference)
+            damage[(name, role)] = _worst(_gradients(layers, alone, loss_fn), reference)
     return damage
 
 
