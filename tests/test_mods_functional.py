@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 import loka_torchrec
 from loka_torchrec import LokaConfig
 from loka_torchrec.dispatch import DispatchConfig
-from loka_torchrec.mods import ModsConfig, apply_mods
+from loka_torchrec.mods import ModsConfig, apply_mods, block_rms_norm
 from loka_torchrec.mods.functional import function_scopes
 from test_mods_unmatched import OwnRMSNorm
 from test_sites import raw_hstu
@@ -47,14 +47,16 @@ class ModuleBlock(FunctionalBlock):
 
 
 class AffineNormBlock(nn.Module):
-    """F.layer_norm with the module's own gamma/beta: not rewritable without dropping them."""
+    """F.layer_norm with the module's own gamma/beta (not rewritable without dropping them), over two
+    dims (not rewritable), and torch.layer_norm over the last dim (rewritten)."""
 
     def __init__(self, dim=32):
         super().__init__()
         self.gamma, self.beta = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
-        return F.layer_norm(x, x.shape[-1:], self.gamma, self.beta)
+        y = F.layer_norm(x, x.shape[-1:], self.gamma, self.beta) + F.layer_norm(x, x.shape[-2:])
+        return y + torch.layer_norm(x, [x.shape[-1]], eps=1e-6)  # rewritten: torch.layer_norm, no affine
 
 
 def _pair():
@@ -111,14 +113,18 @@ def test_only_the_enabled_mod_rewrites_and_a_model_without_calls_is_untouched():
     assert apply_mods(functional, ModsConfig()).results == ()  # preset none: no function-level rewrite either
 
 
-def test_layer_norm_with_the_modules_own_affine_parameters_is_kept_with_the_reason():
+def test_layer_norms_with_affine_parameters_or_several_dims_are_kept_with_the_reason():
     model = AffineNormBlock()
     apply_mods(model, BOTH)
     x = torch.randn(5, 32)
-    torch.testing.assert_close(model(x), F.layer_norm(x, (32,), model.gamma, model.beta), rtol=0, atol=0)
+    kept = F.layer_norm(x, (32,), model.gamma, model.beta) + F.layer_norm(x, (5, 32))
+    torch.testing.assert_close(model(x), kept + block_rms_norm(x, 8, 1e-6), rtol=0, atol=0)
     mode = function_scopes(model)[""]
-    assert mode.rewritten == {}
-    assert mode.kept == {"F.layer_norm -> block_rms_norm: has a weight or bias that the rewrite would leave unused": 1}
+    assert mode.rewritten == {"F.layer_norm -> block_rms_norm": 1}
+    assert mode.kept == {
+        "F.layer_norm -> block_rms_norm: has a weight or bias that the rewrite would leave unused": 1,
+        "F.layer_norm -> block_rms_norm: normalizes over 2 dimensions": 1,
+    }
 
 
 def test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks():

@@ -40,9 +40,11 @@ class ModsConfig:
             would be silently ignored otherwise).
         no_bias: drop the bias of every linear layer but the kept ones (see :func:`no_bias`).
         block_norm: replace LayerNorms (also inside TorchRec's ``SwishLayerNorm``) by
-            :class:`BlockNorm`.
+            :class:`BlockNorm`, and ``F.layer_norm`` calls without weight or bias inside a
+            ``forward`` by what it computes (:mod:`loka_torchrec.mods.functional`).
         hard_swish: replace ``nn.SiLU`` by ``nn.Hardswish`` and the sigmoid gate of
-            ``SwishLayerNorm`` by ``nn.Hardsigmoid``.
+            ``SwishLayerNorm`` by ``nn.Hardsigmoid``, and ``F.silu(x)`` / ``x * sigmoid(x)`` calls
+            inside a ``forward`` by ``F.hardswish(x)``.
         fuse_siblings: fuse each :class:`SiblingLinears` group into one GEMM.
         pad_to_16: zero-pad every linear layer so that its K and N are multiples of 16.
         block_size: BlockNorm's block width (features per RMS statistic), > 0.

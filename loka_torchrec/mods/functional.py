@@ -66,6 +66,7 @@ FUNCTION_REWRITES: Dict[str, Tuple[Tuple[str, str], ...]] = {
 
 _MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
 _SIGMOID = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
+_LAYER_NORM = (F.layer_norm, torch.layer_norm)
 
 
 class FunctionRewriteMode(TorchFunctionMode):
@@ -95,8 +96,8 @@ class FunctionRewriteMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         last, self._sigmoid = self._sigmoid, None
-        if "block_norm" in self.mods and func is F.layer_norm:
-            return self._layer_norm(*args, **kwargs)
+        if "block_norm" in self.mods and func in _LAYER_NORM:
+            return self._layer_norm(func, *args, **kwargs)
         if "hard_swish" in self.mods:
             if func is F.silu:
                 self._count(self.rewritten, "F.silu -> F.hardswish")
@@ -113,8 +114,10 @@ class FunctionRewriteMode(TorchFunctionMode):
                     return F.hardswish(x)
         return func(*args, **kwargs)
 
-    def _layer_norm(self, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    def _layer_norm(self, func, input, normalized_shape, weight=None, bias=None, eps=1e-5, *rest, **options):
         label = "F.layer_norm -> block_rms_norm"
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
         if len(normalized_shape) != 1:
             self._count(self.kept, f"{label}: normalizes over {len(normalized_shape)} dimensions")
         elif weight is not None or bias is not None:
@@ -122,7 +125,7 @@ class FunctionRewriteMode(TorchFunctionMode):
         else:
             self._count(self.rewritten, label)
             return block_rms_norm(input, self.block_size, eps)
-        return F.layer_norm(input, normalized_shape, weight, bias, eps)
+        return func(input, normalized_shape, weight, bias, eps, *rest, **options)
 
 
 def _rewritten_forward(module: nn.Module, mode: FunctionRewriteMode, *args: Any, **kwargs: Any) -> Any:
