@@ -130,7 +130,9 @@ class FunctionRewriteMode(TorchFunctionMode):
 
 def _rewritten_forward(module: nn.Module, mode: FunctionRewriteMode, *args: Any, **kwargs: Any) -> Any:
     with mode:
-        return type(module).forward(module, *args, **kwargs)
+        out = type(module).forward(module, *args, **kwargs)
+    mode._sigmoid = None  # hold no activation past the forward
+    return out
 
 
 def function_scopes(model: nn.Module) -> Dict[str, FunctionRewriteMode]:
