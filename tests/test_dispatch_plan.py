@@ -87,6 +87,8 @@ def test_config_defaults_and_coercion():
         (dict(min_features=0), "min_features"),
         (dict(grad_format="e3m4"), "grad_format"),
         (dict(fallback="ignore"), "fallback"),
+        (dict(min_grad_sqnr_db="high"), "min_grad_sqnr_db"),
+        (dict(min_grad_sqnr_db=math.nan), "min_grad_sqnr_db"),
     ],
 )
 def test_config_rejects_each_bad_field_by_name(kwargs, field):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Tuple
 
 from loka_torchrec.evidence import KernelChoice
@@ -52,6 +53,10 @@ class DispatchConfig:
             whole (forward + backward, host overhead included) against bf16 with this many
             repetitions, and goes back to bf16 unless it reaches ``min_speedup``
             (:mod:`loka_torchrec.dispatch.layer_check`); 0 turns the check off.
+        min_grad_sqnr_db: the floor of :meth:`Dispatcher.check_gradients`: every site's weight
+            gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
+            high precision; the FP8 roles that push one below it go back to bf16
+            (:mod:`loka_torchrec.dispatch.grad_check`).
         compiled: the layers run under ``torch.compile`` (the training job sets it from
             ``train.compile``). Candidates whose kernels do not trace (a backend's
             ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
@@ -77,6 +82,7 @@ class DispatchConfig:
     step_guard_tolerance: float = 0.02
     layer_check_reps: int = 10
     compiled: bool = False
+    min_grad_sqnr_db: float = 17.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -117,6 +123,9 @@ class DispatchConfig:
         for flag in ("compiled",):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"dispatch.{flag}: expected true or false, got {getattr(self, flag)!r}")
+        sqnr_floor = self.min_grad_sqnr_db
+        if isinstance(sqnr_floor, bool) or not isinstance(sqnr_floor, (int, float)) or math.isnan(sqnr_floor):
+            raise ValueError(f"dispatch.min_grad_sqnr_db: expected a number of dB, got {self.min_grad_sqnr_db!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
 

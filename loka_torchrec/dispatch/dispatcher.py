@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.backends.base import BackendUnavailableError
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.grad_check import check_plan_gradients
 from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
@@ -210,6 +211,30 @@ class Dispatcher(EvidenceConsumer):
                 "dispatch: layer check at step %d kept %d of %d FP8 layers (%d -> %d FP8 GEMMs)",
                 step, sum(r["kept_fp8"] for r in records), len(records), before, plan.fp8_gemm_count(),
             )
+        return plan
+
+    def check_gradients(self, loss_fn: Callable[[], torch.Tensor], *, step: int = 0) -> DispatchPlan:
+        """Send back to bf16 the FP8 roles that put a site's weight gradient below
+        ``dispatch.min_grad_sqnr_db`` against high precision (:mod:`loka_torchrec.dispatch.grad_check`).
+
+        ``loss_fn`` runs one deterministic forward of the model on a fixed batch and returns the
+        scalar loss; it must run no collectives (every rank checks on its own; rank 0's plan is
+        broadcast). No Parameter's ``.grad`` changes. Call it after a plan is made (a ``policy``
+        replan, or at start for a static or pinned plan); the checked plan is applied, saved and
+        returned, and each run and demotion is a ``grad_check`` event.
+        """
+        plan, records = check_plan_gradients(self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db)
+        plan = self._annotated(self._broadcast(plan))
+        for record in records:
+            self._record({"event": "grad_check", "step": step, **record})
+        demoted = sum(r["kind"] == "demote" for r in records)
+        if demoted and self._rank() == 0:
+            logger.warning("dispatch: gradient check at step %d sent %d FP8 GEMM(s) back to bf16 (worst weight gradient %.1f dB)",
+                           step, demoted, records[-1]["worst_db_after"])  # fmt: skip
+        self.plan = plan
+        self._apply(plan)
+        self._verify_identical()
+        self._save_plan()
         return plan
 
     def fallback(self, layer: str, reason: str, *, step: int) -> None:

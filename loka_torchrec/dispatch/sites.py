@@ -26,7 +26,11 @@ sites around scaled-dot-product attention. Why this and not the alternatives:
   non-persistent buffer, and the scope's ``forward`` is an instance attribute;
 * with a mode active ``torch.overrides.has_torch_function`` is true, which is exactly what
   PyTorch's MultiheadAttention/TransformerEncoderLayer fast paths refuse, so in eager mode (eval
-  included) they run the decomposed path and reach their sites.
+  included) they run the decomposed path and reach their sites. Dynamo does not evaluate that
+  check through a mode, so a ``TransformerEncoderLayer`` scope also gets a no-op forward pre-hook,
+  which the layer's fast path refuses as well, and a ``TransformerEncoder`` scope's
+  ``use_nested_tensor`` is set to ``False`` (the check its nested-tensor path makes first):
+  compiled eval/no_grad runs the sites too.
 
 A :class:`ParameterSite` is a :class:`~loka_torchrec.dispatch.linear.GemmSite`, the base of
 ``LokaLinear``: the same three role kernels, plan, evidence, Probe hooks (the mode calls the site
@@ -45,8 +49,7 @@ Not reached (high precision, reported by :func:`install_sites` or as "never ran"
 Dispatcher): batched GEMMs on 3-D Parameters (``bmm``/``baddbmm`` per-head weights), a Parameter
 used transposed in a way the site does not model (``P @ x`` for a ``(in, out)`` Parameter,
 ``P.t()`` passed to a GEMM), MultiheadAttention with separate q/k/v weights, ``bias_k``/``bias_v``
-or ``add_zero_attn``, cross-attention's sliced in-projection, and (under ``torch.compile`` in
-eval/no_grad only) PyTorch's fused attention fast path, which Dynamo may take.
+or ``add_zero_attn``, cross-attention's sliced in-projection.
 """
 
 from __future__ import annotations
@@ -398,19 +401,42 @@ class SiteMode(TorchFunctionMode):
                 site.other_uses[name] = site.other_uses.get(name, 0) + 1
 
 
-def _scoped_forward(module: nn.Module, mode: SiteMode, *args: Any, **kwargs: Any) -> Any:
+def _scoped_forward(module: nn.Module, mode: SiteMode, inner: Optional[Callable], *args: Any, **kwargs: Any) -> Any:
     with mode:
+        if inner is not None:
+            return inner(*args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
 
 
 def scope_module(module: nn.Module, sites: Sequence[GemmSite]) -> None:
     """Make ``module``'s forward run under a :class:`SiteMode` for ``sites`` (idempotent: replaces
     an earlier scope). The sites that are ``ParameterSite`` modules become its children in
-    ``_loka_sites`` (no parameters, nothing persistent: ``state_dict`` keys are unchanged)."""
+    ``_loka_sites`` (no parameters, nothing persistent: ``state_dict`` keys are unchanged).
+
+    A forward the module already had as an instance attribute (a function-level mod's scope,
+    :mod:`loka_torchrec.mods.functional`) runs inside the mode, so both apply."""
     own = [s for s in sites if isinstance(s, ParameterSite)]
     if own:
         module._loka_sites = nn.ModuleDict({s.path.replace(".", "_"): s for s in own})
-    module.forward = functools.partial(_scoped_forward, module, SiteMode(sites))
+    inner = module.__dict__.get("forward")
+    if is_scoped(module):
+        inner = inner.args[2]
+    module.forward = functools.partial(_scoped_forward, module, SiteMode(sites), inner)
+    if isinstance(module, nn.TransformerEncoderLayer) and not getattr(module, "_loka_fast_path_refused", False):
+        # The layer's fast path refuses modules with forward hooks, a check Dynamo evaluates as
+        # written; its has_torch_function check does not see a mode while compiling.
+        module.register_forward_pre_hook(_refuse_fast_path)
+        module._loka_fast_path_refused = True
+    if isinstance(module, nn.TransformerEncoder):
+        # Eagerly the mode already refuses the nested-tensor path (has_torch_function); compiled,
+        # only this flag does, so compiled and eager compute the same.
+        module.use_nested_tensor = False
+
+
+def _refuse_fast_path(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook that does nothing: its presence makes ``TransformerEncoderLayer`` run the
+    decomposed path (and so its sites) in eval and under ``torch.compile`` too."""
+    return None
 
 
 def is_scoped(module: nn.Module) -> bool:

@@ -9,6 +9,7 @@ from torch import nn
 
 from loka_torchrec.mods.block_norm import block_norm
 from loka_torchrec.mods.config import ModResult, ModsConfig, ModsReport
+from loka_torchrec.mods.functional import FUNCTION_REWRITES, rewrite_functions
 from loka_torchrec.mods.hard_swish import hard_swish
 from loka_torchrec.mods.module_tree import check_unwrapped
 from loka_torchrec.mods.no_bias import no_bias
@@ -67,7 +68,11 @@ def apply_mods(model: nn.Module, config: ModsConfig) -> ModsReport:
     results: List[ModResult] = []
     for name in config.enabled:
         result = _MODS[name](model, config)
+        if name in FUNCTION_REWRITES:
+            functions = rewrite_functions(model, name, block_size=config.block_size)
+            result = dataclasses.replace(result, functions=functions)
         if not result.modules and not result.skipped:
-            result = dataclasses.replace(result, unmatched=why_unmatched(model, name))
+            rewritten = tuple(line.split(" -> ")[0] for line in result.functions)
+            result = dataclasses.replace(result, unmatched=why_unmatched(model, name, rewritten=rewritten))
         results.append(result)
     return ModsReport(config, tuple(results))

@@ -40,9 +40,11 @@ class ModsConfig:
             would be silently ignored otherwise).
         no_bias: drop the bias of every linear layer but the kept ones (see :func:`no_bias`).
         block_norm: replace LayerNorms (also inside TorchRec's ``SwishLayerNorm``) by
-            :class:`BlockNorm`.
+            :class:`BlockNorm`, and ``F.layer_norm`` calls without weight or bias inside a
+            ``forward`` by what it computes (:mod:`loka_torchrec.mods.functional`).
         hard_swish: replace ``nn.SiLU`` by ``nn.Hardswish`` and the sigmoid gate of
-            ``SwishLayerNorm`` by ``nn.Hardsigmoid``.
+            ``SwishLayerNorm`` by ``nn.Hardsigmoid``, and ``F.silu(x)`` / ``x * sigmoid(x)`` calls
+            inside a ``forward`` by ``F.hardswish(x)``.
         fuse_siblings: fuse each :class:`SiblingLinears` group into one GEMM.
         pad_to_16: zero-pad every linear layer so that its K and N are multiples of 16.
         block_size: BlockNorm's block width (features per RMS statistic), > 0.
@@ -119,13 +121,16 @@ class ModResult:
         name: the mod (one of :data:`MOD_NAMES`).
         modules: FQNs of the modules it changed or replaced (as named before the change).
         skipped: ``(fqn, reason)`` for candidates it left alone on purpose.
-        unmatched: when it changed nothing, why (:func:`~loka_torchrec.mods.unmatched.why_unmatched`).
+        unmatched: when it changed no module, why (:func:`~loka_torchrec.mods.unmatched.why_unmatched`).
+        functions: the calls it rewrites at the function level, one line per call and module class
+            (:func:`~loka_torchrec.mods.functional.rewrite_functions`).
     """
 
     name: str
     modules: Tuple[str, ...] = ()
     skipped: Tuple[Tuple[str, str], ...] = ()
     unmatched: str = ""
+    functions: Tuple[str, ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.name}: {len(self.modules)} module(s)"
@@ -135,6 +140,8 @@ class ModResult:
             text += f" ({self.unmatched})"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{fqn} ({why})" for fqn, why in self.skipped)
+        if self.functions:
+            text += "; function level: " + "; ".join(self.functions)
         return text
 
 
@@ -165,15 +172,16 @@ class ModsReport:
 
     @property
     def changed(self) -> bool:
-        """Whether any mod changed any module."""
-        return any(r.modules for r in self.results)
+        """Whether any mod changed any module or rewrites any function call."""
+        return any(r.modules or r.functions for r in self.results)
 
     def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready summary: ``{"preset": ..., "mods": {name: {"modules": [...], "skipped": [...]}}}``."""
+        """A JSON-ready summary: ``{"preset": ..., "mods": {name: {"modules": [...], "skipped": [...], "functions": [...]}}}``."""
         return {
             "preset": self.config.preset,
             "mods": {
-                r.name: {"modules": list(r.modules), "skipped": [list(s) for s in r.skipped]} for r in self.results
+                r.name: {"modules": list(r.modules), "skipped": [list(s) for s in r.skipped], "functions": list(r.functions)}
+                for r in self.results
             },
         }
 

@@ -41,7 +41,8 @@ def hard_swish(model: nn.Module) -> ModResult:
     is about 0.14, at ``x = -3`` and ``x = 3``. In TorchRec's ``SwishLayerNorm``, ``x * sigmoid(LN(x))``,
     the sigmoid gate becomes ``nn.Hardsigmoid``, ``relu6(z + 3) / 6``, giving
     ``x * relu6(LN(x) + 3) / 6``; its LayerNorm (or the BlockNorm that replaced it) stays.
-    Activations called as functions (``F.silu``) are invisible to a module transform and stay.
+    Activations called as functions (``F.silu``) are not modules: :func:`~loka_torchrec.mods.apply_mods`
+    rewrites them at the function level (:mod:`loka_torchrec.mods.functional`).
 
     Args:
         model: the unsharded model.

@@ -6,7 +6,7 @@ the mod then changes nothing. :func:`why_unmatched` says so precisely: it reads 
 source of each module class in the model (once per class) for the function calls the mod stands
 for, and names the norm-like classes that are not ``nn.LayerNorm``, so the report reads e.g.
 ``no nn.LayerNorm modules; this model calls F.layer_norm in StuLayer.forward (layers.0, layers.1)``.
-The rewrite is module-level only: those calls stay as they are.
+Calls that :mod:`loka_torchrec.mods.functional` rewrites are not listed; the others stay as they are.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["why_unmatched"]
+__all__ = ["why_unmatched", "forward_source", "name_list"]
 
 # mod -> (what it swaps, the call patterns that do the same job, a word for own classes)
 _PATTERNS: Dict[str, Tuple[str, Tuple[Tuple[str, str], ...], Optional[str]]] = {
@@ -34,7 +34,8 @@ _PATTERNS: Dict[str, Tuple[str, Tuple[Tuple[str, str], ...], Optional[str]]] = {
 }
 
 
-def _forward_source(cls: type, cache: Dict[type, str]) -> str:
+def forward_source(cls: type, cache: Dict[type, str]) -> str:
+    """The source of ``cls.forward`` (``""`` where none is kept), read once per class into ``cache``."""
     if cls not in cache:
         try:
             cache[cls] = inspect.getsource(cls.forward)
@@ -43,8 +44,11 @@ def _forward_source(cls: type, cache: Dict[type, str]) -> str:
     return cache[cls]
 
 
-def why_unmatched(model: nn.Module, mod: str) -> str:
+def why_unmatched(model: nn.Module, mod: str, *, rewritten: Tuple[str, ...] = ()) -> str:
     """For a mod that matched no module in ``model``: why, in one line (``""`` if it cannot say).
+
+    ``rewritten``: call labels (``"F.layer_norm"``) the function-level mod rewrote
+    (:mod:`loka_torchrec.mods.functional`); they are not listed as calls the mod does not rewrite.
 
     Example::
 
@@ -73,19 +77,20 @@ def why_unmatched(model: nn.Module, mod: str) -> str:
             continue
         if own_word and own_word in cls.__name__ and cls.__name__ != "BlockNorm":
             other.setdefault(cls.__name__, []).append(name)
-        source = _forward_source(cls, sources)
+        source = forward_source(cls, sources)
         for label, pattern in calls:
-            if re.search(pattern, source):
+            if label not in rewritten and re.search(pattern, source):
                 found.setdefault((label, f"{cls.__name__}.forward"), []).append(name)
     parts = []
     for (label, where), names in found.items():
-        parts.append(f"this model calls {label} in {where} ({_names(names)})")
+        parts.append(f"this model calls {label} in {where} ({name_list(names)})")
     for cls_name, names in other.items():
-        parts.append(f"{cls_name} modules ({_names(names)})")
+        parts.append(f"{cls_name} modules ({name_list(names)})")
     if not parts:
         return f"no {swaps} modules"
     return f"no {swaps} modules; " + "; ".join(parts) + f", which {mod} does not rewrite"
 
 
-def _names(names: List[str], most: int = 3) -> str:
+def name_list(names: List[str], most: int = 3) -> str:
+    """The first ``most`` names, comma-separated, and how many more."""
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
