@@ -11,7 +11,8 @@
 #                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json) compiled;
 #                                     RUNS: comma-separated (default: all of the script's runs)
 #
-# Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100),
+# Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100), E2E_OVERRIDES
+# (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,7 +44,8 @@ case $stage in
   e2e)
     name=${2:?e2e NAME RECIPES SEEDS RUNS}; recipes=${3:?}; seeds=${4:?}; runs=${5:?}
     mkdir -p "$WORK/results"
-    python3 -P benchmarks/e2e_compare.py --out "$WORK/results" --runs-dir "$WORK/runs" --name "$name" \
+    extra=(); for o in ${E2E_OVERRIDES:-}; do extra+=(--override "$o"); done
+    python3 -P benchmarks/e2e_compare.py "${extra[@]}" --out "$WORK/results" --runs-dir "$WORK/runs" --name "$name" \
       --recipes "$recipes" --seeds "$seeds" --runs "$runs" --steps "$STEPS" --probe-warmup "$WARMUP" \
       --profile-start $(( STEPS - 12 )) --profile-steps 5 --run-timeout 300 --max-seconds $(( $(left) - 25 )) \
       > "$WORK/$name.log" 2>&1

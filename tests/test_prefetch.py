@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from loka_job.training.prefetch import resolve_workers, train_batches
+from loka_job.training.prefetch import resolve_workers, reused_batches, train_batches
 from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset
 from loka_job.training.synthetic_sequences import SyntheticSequenceConfig, SyntheticSequenceDataset
 from loka_job.training.trainer import TrainConfig
@@ -97,3 +97,26 @@ def test_batch_cost_benchmark_times_a_recipe_batch():
     spec.loader.exec_module(bench)
     assert 0.0 < bench.batch_ms("dhen", 2) < 10_000.0  # the small recipe: batches of 256
     assert 0.0 < bench.batch_ms("hstu", 2) < 10_000.0  # sequence data goes through the same path
+
+
+def test_reused_batches_cycle_the_first_ones_and_refuse_bad_counts():
+    made = []
+
+    def batches():
+        for i in range(100):
+            made.append(i)
+            yield i
+
+    it = reused_batches(batches(), 3)
+    assert [next(it) for _ in range(8)] == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert made == [0, 1, 2]  # made once, up front
+    with pytest.raises(ValueError, match=r"train.reuse_batches=5: the data has only 2 train batches"):
+        reused_batches(iter([1, 2]), 5)
+    with pytest.raises(ValueError, match="train.reuse_batches"):
+        reused_batches(iter([1, 2]), 0)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "4", True])
+def test_train_config_refuses_bad_reuse_batches(value):
+    with pytest.raises(ValueError, match="train.reuse_batches"):
+        TrainConfig(reuse_batches=value)

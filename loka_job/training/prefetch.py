@@ -14,6 +14,8 @@ asynchronously.
 
 from __future__ import annotations
 
+import itertools
+
 import os
 from typing import Any, Iterator, Optional, Protocol
 
@@ -62,6 +64,27 @@ class _WorkerShare(IterableDataset):
         while True:  # the train split is unbounded; the loop stops asking
             yield self.split.batch(index)
             index += workers
+
+
+def reused_batches(batches: Iterator[Any], count: int) -> Iterator[Any]:
+    """The first ``count`` items of ``batches``, then the same ones again in the same order, without end.
+
+    ``batches`` is read ``count`` times right away and then dropped (its loader workers stop).
+
+    Raises:
+        ValueError: ``count`` is not an int >= 1, or ``batches`` ran out before ``count``.
+
+    Example::
+
+        >>> list(itertools.islice(reused_batches(iter("abcdef"), 2), 5))
+        ['a', 'b', 'a', 'b', 'a']
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"train.reuse_batches: expected an int >= 1 here, got {count!r}")
+    kept = list(itertools.islice(batches, count))
+    if len(kept) < count:
+        raise ValueError(f"train.reuse_batches={count}: the data has only {len(kept)} train batches")
+    return itertools.cycle(kept)
 
 
 def train_batches(

@@ -113,6 +113,10 @@ class TrainConfig:
             them, in pinned memory on CUDA). ``None``: 0 on a CPU, on CUDA half of the rank's
             share of the host's cores, 2 to 8 (:func:`~loka_job.training.prefetch.resolve_workers`);
             0 makes each batch in the loop, where its time lands in the step.
+        reuse_batches: 0 (default): a new batch every step. ``N > 0``: the first ``N`` batches are
+            made once and then cycled (:func:`~loka_job.training.prefetch.reused_batches`), for
+            speed benchmarks of models whose batches take longer to make than to train on; the
+            model then trains on ``N`` batches only, so its NE is not a normal run's.
         step_sync: ``torch.cuda.synchronize`` at the end of every step, so that each step's time
             holds exactly its own GPU work. It also stops the host from queueing the next step
             while the GPU still runs this one, which a training job never does, so step times
@@ -155,6 +159,7 @@ class TrainConfig:
     sync_every: int = 1
     deterministic: bool = False
     data_workers: Optional[int] = None
+    reuse_batches: int = 0
     step_sync: bool = False
     max_nonfinite_steps: int = 10
     compile: str = "auto"
@@ -166,7 +171,7 @@ class TrainConfig:
             raise ValueError(f"train.compile: expected one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         # Types first, so that a wrong type is named as itself and not as a failed comparison.
         for name in ("steps", "log_every", "eval_every", "checkpoint_every", "timing_start", "profile_start",
-                     "profile_steps", "max_nonfinite_steps"):  # fmt: skip
+                     "profile_steps", "max_nonfinite_steps", "reuse_batches"):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int:
                 raise ValueError(f"train.{name}: expected an int, got {value!r}")
@@ -197,7 +202,7 @@ class TrainConfig:
             raise ValueError(
                 f"train.timing_start: must be >= 0 and < train.steps={self.steps}, got {self.timing_start}"
             )
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "reuse_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if self.resume is not None and not os.path.exists(self.resume):
@@ -506,6 +511,7 @@ class Trainer:
             "compile": self._compile_summary(),
             "step_sync": cfg.step_sync,
             "data_workers": self._data_workers,
+            "reuse_batches": self.cfg.reuse_batches,
             "nonfinite_steps": list(self.nonfinite.skipped),
             "train_ne": last_train.get("train/ne"),
             "train_auc": last_train.get("train/auc"),
@@ -543,17 +549,22 @@ class Trainer:
     def _train_batches(self):
         """This rank's train batches from the resumed step on, made by ``train.data_workers``
         loader processes where the data has random access (else in the loop)."""
-        from loka_job.training.prefetch import resolve_workers, train_batches
+        from loka_job.training.prefetch import resolve_workers, reused_batches, train_batches
 
         workers = resolve_workers(self.cfg.data_workers, self.ctx.device, local_world_size=self.ctx.local_world_size)
         self._data_workers = workers if self.train_split is not None else 0
         if workers and self.train_split is not None:
-            return train_batches(
+            batches = train_batches(
                 self.train_split, self.start_step, workers=workers, pin_memory=self.ctx.device.type == "cuda"
             )
-        if workers and self.cfg.data_workers:
-            logger.warning("train.data_workers=%d: this data has no random access; batches are made in the loop", workers)
-        return iter(self.train_data(self.start_step))
+        else:
+            if workers and self.cfg.data_workers:
+                logger.warning("train.data_workers=%d: this data has no random access; batches are made in the loop", workers)
+            batches = iter(self.train_data(self.start_step))
+        if self.cfg.reuse_batches:
+            logger.info("train.reuse_batches=%d: these first batches are made now, then cycled", self.cfg.reuse_batches)
+            return reused_batches(batches, self.cfg.reuse_batches)
+        return batches
 
     def _restart_step_clock(self) -> float:
         """After work that is not a training step (eval, checkpoint, profiler set-up): drain the GPU
