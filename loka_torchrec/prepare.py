@@ -32,6 +32,7 @@ from torch import nn
 from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.config import LokaConfig
+from loka_torchrec.probe import ProbeCallback
 
 __all__ = ["Loka", "prepare"]
 
@@ -63,7 +64,7 @@ class Loka:
     def sharders(self) -> list:
         """Sharders for ``DistributedModelParallel``: TorchRec's embedding sharders with LoKA's comm
         codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32)."""
-        from loka_torchrec.comms.sharders import sharders
+        from loka_torchrec.comms.sharders import sharders  # needs TorchRec; the library imports without it
 
         return sharders(self.config.comms)
 
@@ -189,8 +190,6 @@ def prepare(
     report = apply(model, config, run_dir=run_dir, process_group=process_group)
     probe = None
     if config.probe.enabled:
-        from loka_torchrec.probe import ProbeCallback
-
         probe = ProbeCallback(
             model, config.probe, run_dir=run_dir, consumer=report.dispatcher, process_group=process_group, start_step=1
         )
