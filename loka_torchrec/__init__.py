@@ -22,15 +22,8 @@ under ``torch.compile``).
 from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.prepare import Loka, prepare
 
 __all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "apply", "prepare"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name):
-    if name == "LokaLinear":
-        from loka_torchrec.dispatch.linear import LokaLinear
-
-        return LokaLinear
-    raise AttributeError(name)

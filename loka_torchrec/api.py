@@ -11,6 +11,7 @@ from loka_torchrec.config import LokaConfig
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.convert import convert_linears
 from loka_torchrec.dispatch.dispatcher import Dispatcher
+from loka_torchrec.mods import apply_mods
 from loka_torchrec.probe.config import ProbeConfig
 
 __all__ = ["apply", "ApplyReport"]
@@ -92,8 +93,6 @@ def apply(
     mods_report = None
     mods_config = getattr(config, "mods", None)
     if mods_config is not None and getattr(mods_config, "preset", "none") != "none":
-        from loka_torchrec.mods import apply_mods
-
         mods_report = apply_mods(model, mods_config)
     layers, conversion = convert_linears(model, config.dispatch)
     dispatcher = Dispatcher(

@@ -33,6 +33,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+try:  # TorchRec's awaitable, resolved before a compiled module runs; the library imports without TorchRec
+    from torchrec.distributed.types import LazyAwaitable
+except ImportError:  # no TorchRec: nothing to wait for
+    LazyAwaitable = None
+
 __all__ = ["COMPILE_MODES", "compile_dense", "dense_modules", "eager", "resolve_compile_mode"]
 
 logger = logging.getLogger(__name__)
@@ -145,9 +150,7 @@ def _call_resolved(compiled, module: nn.Module, *args, **kwargs):
 def _resolved(args: Tuple) -> Tuple:
     """``args`` with TorchRec's ``LazyAwaitable``s waited for, once, as TorchRec resolves them (the
     result is kept on the awaitable, so a later use of the same object does not wait again)."""
-    try:
-        from torchrec.distributed.types import LazyAwaitable
-    except ImportError:  # no TorchRec: nothing to wait for
+    if LazyAwaitable is None:
         return args
     out = []
     for a in args:

@@ -41,6 +41,7 @@ from loka_torchrec.comms.sharders import model_embedding_dims
 from loka_torchrec.comms.sharders import sharders as comms_sharders
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
 from loka_torchrec.config import LokaConfig
+from loka_torchrec.probe import ProbeCallback
 
 __all__ = ["Loka", "prepare", "COMMS_PLAN_FILE"]
 
@@ -299,8 +300,6 @@ def prepare(
     report = apply(model, config, run_dir=run_dir, process_group=process_group)
     probe = None
     if config.probe.enabled:
-        from loka_torchrec.probe import ProbeCallback
-
         probe = ProbeCallback(
             model, config.probe, run_dir=run_dir, consumer=report.dispatcher, process_group=process_group, start_step=1
         )

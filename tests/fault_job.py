@@ -1,7 +1,8 @@
 """The training entry point with one injected fault, for the fault matrix (tests/test_faults.py).
 
-``LOKA_FAULT=<kind>:<batch>[:<rank>]`` (rank: every rank when left out) picks the fault; the
-rest of the command line is the job's Hydra overrides, as for ``python -m loka_job.train``.
+``LOKA_FAULT=<kind>:<batch>[:<rank>]`` (rank: every rank when left out) picks the fault, and a
+comma-separated list of such faults injects each at its batch (so that one run can carry several
+faults that do not end it); the rest of the command line is the job's Hydra overrides, as for ``python -m loka_job.train``.
 ``<batch>`` counts train batches from 0 as the data hands them out (the pipeline fetches two
 ahead of the step that trains them), so faults land at a fixed, repeatable point of the run.
 
@@ -26,8 +27,8 @@ import torch
 FAULT = os.environ.get("LOKA_FAULT", "")
 
 
-def _parse():
-    parts = FAULT.split(":")
+def _parse(fault: str):
+    parts = fault.split(":")
     kind, at = parts[0], int(parts[1])
     ranks = None if len(parts) < 3 else {int(parts[2])}
     return kind, at, ranks
@@ -45,9 +46,13 @@ def _first_linear(model: torch.nn.Module) -> torch.nn.Module:
 def install() -> None:
     if not FAULT:
         return
-    kind, at, ranks = _parse()
-    if not _mine(ranks):
+    faults = [_parse(fault) for fault in FAULT.split(",")]
+    if len(faults) > 1 and any(kind in ("kill", "kill_save") for kind, _, _ in faults):
+        raise ValueError(f"LOKA_FAULT: a kill ends the run, so it is the only fault of its run: {FAULT!r}")
+    faults = [(kind, at) for kind, at, ranks in faults if _mine(ranks)]
+    if not faults:
         return
+    kind, at = faults[0]
     from loka_job.training import checkpoint, data as data_module, trainer as trainer_module
     from loka_job import train as train_module
 
@@ -87,8 +92,9 @@ def install() -> None:
 
         def faulty(start_batch):
             for index, batch in enumerate(train(start_batch), start=start_batch):
-                if index == at:
-                    batch = _inject(kind, batch, holder.get("trainer"))
+                for kind, at in faults:
+                    if index == at:
+                        batch = _inject(kind, batch, holder.get("trainer"))
                 yield batch
 
         return dataclasses.replace(rank_data, train=faulty, train_split=None)

@@ -1,20 +1,10 @@
 """Dispatch: per GEMM (forward, grad-input, grad-weight) the fastest accurate kernel, else bf16."""
 
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.dispatcher import Dispatcher
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.policy import decide
 
 __all__ = ["DispatchConfig", "DispatchPlan", "LayerKernels", "LayerPlan", "RoleDecision", "decide", "Dispatcher", "LokaLinear"]
-
-
-def __getattr__(name):  # the heavier pieces load on first use
-    if name == "Dispatcher":
-        from loka_torchrec.dispatch.dispatcher import Dispatcher
-
-        return Dispatcher
-    if name == "LokaLinear":
-        from loka_torchrec.dispatch.linear import LokaLinear
-
-        return LokaLinear
-    raise AttributeError(name)

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.linear import GemmSite, LokaLinear
+from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, guess_layout, scope_module, scoped_sites
 from loka_torchrec.fp8 import Fp8Format
 
 __all__ = ["ConversionReport", "convert_linears", "canonical_fqn", "WRAPPER_PREFIXES"]
@@ -66,8 +68,6 @@ _CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
 def _not_a_gemm_owner(module: nn.Module) -> bool:
-    from loka_torchrec.dispatch.linear import GemmSite
-
     kinds = (nn.Linear, GemmSite, nn.Embedding, nn.EmbeddingBag, nn.ModuleDict) + _CONTAINERS
     return isinstance(module, kinds) or "Embedding" in type(module).__name__
 
@@ -105,9 +105,6 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
     Returns:
         canonical FQN -> site module of every converted GEMM, and the report.
     """
-    from loka_torchrec.dispatch.linear import LokaLinear
-    from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, guess_layout, scope_module, scoped_sites
-
     grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
     report = ConversionReport()
     layers: Dict[str, nn.Module] = {}

@@ -13,6 +13,7 @@ digests of what each rank actually runs are all-gathered and compared; a mismatc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from loka_torchrec.gemm.backends import get_backend
+from loka_torchrec.atomic_files import write_text_atomic
+from loka_torchrec.gemm.backends import backend_names, get_backend
 from loka_torchrec.gemm.backends.base import BackendUnavailableError
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.grad_check import check_plan_gradients
@@ -56,8 +58,6 @@ def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[Ker
     :class:`BackendUnavailableError` naming it and why, unless ``config.fallback == "bf16"``
     (then it is dropped with a warning).
     """
-    from loka_torchrec.gemm.backends import backend_names
-
     out: List[KernelChoice] = []
     for name in config.candidates:
         if name == "auto":
@@ -361,8 +361,6 @@ class Dispatcher(EvidenceConsumer):
         self._apply(self.plan)
         self._verify_identical()
         if self.run_dir and self._rank() == 0:
-            from loka_torchrec.atomic_files import write_text_atomic
-
             write_text_atomic(os.path.join(self.run_dir, EVENTS_FILE), "".join(json.dumps(e) + "\n" for e in self.events))
         self._save_plan()
 
@@ -391,8 +389,6 @@ class Dispatcher(EvidenceConsumer):
 
     def _annotated(self, plan: DispatchPlan) -> DispatchPlan:
         """``plan`` with this run's never-ran sites and coverage."""
-        import dataclasses
-
         managed = sum(m.in_features * m.out_features for n, m in self._layers.items() if n not in self._never_ran)
         unreached = dict(self._unreached)
         for name, reason in self._never_ran.items():

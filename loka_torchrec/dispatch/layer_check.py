@@ -32,10 +32,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, GemmRole, Interval
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.gemm.intervals import iqr_interval
+from loka_torchrec.gemm.measure import release_generator
 
 __all__ = ["LayerTiming", "time_layer_step", "check_plan_layers"]
 
@@ -95,8 +97,6 @@ def time_layer_step(
     Returns:
         Median and inter-quartile range of both variants' wall time per repetition, in ms.
     """
-    from loka_torchrec.dispatch.linear import LokaLinear  # linear imports the dispatch package
-
     gen = torch.Generator(device=device).manual_seed(seed)
     # The scratch layers' initialization must not move the training's random streams (only rank 0
     # runs the check; a dropout mask drawn later would otherwise depend on it).
@@ -154,8 +154,6 @@ def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional
     Each call makes its own detached aliases of the input and the parameters, so that every
     gradient accumulator the captured backward uses is made inside the capture (see
     :func:`loka_torchrec.gemm.measure.graph_replay_ms`)."""
-    from loka_torchrec.gemm.measure import release_generator
-
     device = x.device
 
     def step_of(layer):

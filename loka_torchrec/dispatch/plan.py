@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, KernelChoice
 
@@ -165,7 +166,7 @@ class DispatchPlan:
 
     def table(self) -> str:
         """A plain-text table: layer, shape, and per role the kernel, MERE, speedup and reason."""
-        from rich.console import Console
+        from rich.console import Console  # rich loads only where a table is printed
         from rich.table import Table
 
         table = Table(title=f"LoKA dispatch plan ({self.mode}, step {self.step}, {self.device or 'device ?'})")
@@ -232,8 +233,6 @@ class DispatchPlan:
 
     def save(self, path: str) -> None:
         """Write the plan as JSON atomically (temp file in the same folder, then rename)."""
-        from loka_torchrec.atomic_files import write_json_atomic
-
         write_json_atomic(path, self.to_dict(), fsync=True)
 
     @classmethod

@@ -27,6 +27,7 @@ from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.gemm.candidates import resolve_candidate
 from loka_torchrec.gemm.intervals import iqr_interval
+from loka_torchrec.gemm.measure import graph_replay_ms
 
 __all__ = ["time_gemm", "SpeedCache", "l2_cache_bytes"]
 
@@ -110,8 +111,6 @@ def time_gemm(
     times = []
     replayed = None
     if device_time and device.type == "cuda":
-        from loka_torchrec.gemm.measure import graph_replay_ms
-
         calls = [lambda a=a, b=b: run.gemm(a, b, dtype) for a, b in sets]
         replayed = graph_replay_ms(calls, reps=reps, device=device)
     if replayed is not None:

@@ -62,7 +62,7 @@ def probe(
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ProbedTrainPipeline":  # imports torchrec: only on demand
+    if name == "ProbedTrainPipeline":  # needs TorchRec, which the library imports without: only on demand
         from loka_torchrec.probe.pipeline import ProbedTrainPipeline
 
         return ProbedTrainPipeline

@@ -150,7 +150,7 @@ def _interval(iv: Any) -> str:
 
 
 def _print_tables(report: Dict[str, Any], *, show_ranks: bool) -> None:
-    from rich.console import Console
+    from rich.console import Console  # rich loads only where tables are printed
     from rich.table import Table
 
     console = Console(width=max(shutil.get_terminal_size((180, 24)).columns, 120), soft_wrap=False)

@@ -59,7 +59,7 @@ def _load_genai() -> Optional[str]:
 
 
 def _matmul_fp8_row():
-    from fbgemm_gpu.experimental.gemm.triton_gemm.fp8_gemm import matmul_fp8_row
+    from fbgemm_gpu.experimental.gemm.triton_gemm.fp8_gemm import matmul_fp8_row  # optional: FBGEMM gen_ai, Triton
 
     return matmul_fp8_row
 

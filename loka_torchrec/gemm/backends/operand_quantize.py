@@ -27,7 +27,7 @@ __all__ = ["fused_quantize_available", "quantize_operand", "quantize_operand_wit
 
 @functools.lru_cache(maxsize=None)
 def _fused_on(device_index: int) -> bool:
-    from loka_torchrec.kernels import _compat
+    from loka_torchrec.kernels import _compat  # optional: the kernel modules import Triton
 
     if _compat.TRITON_IMPORT_ERROR is not None:
         return False
@@ -55,7 +55,7 @@ def quantize_operand(t: torch.Tensor, spec: OperandSpec, *, name: str = "operand
     Never synchronizes with the device (non-finite values propagate; see :mod:`loka_torchrec.fp8`).
     """
     if fused_quantize_available(t) and t.dtype in (torch.float32, torch.bfloat16, torch.float16) and _fused_granularity(spec):
-        from loka_torchrec.kernels.fp8_quantize import fp8_quantize
+        from loka_torchrec.kernels.fp8_quantize import fp8_quantize  # optional: Triton
 
         block_k = spec.block[1] if spec.block is not None else 128
         return fp8_quantize(t, spec.fmt, spec.granularity, block_k=block_k, power_of_two=spec.power_of_two, name=name)
@@ -76,7 +76,7 @@ def quantize_operand_with_transpose(
     if spec.granularity == Granularity.BLOCKWISE:
         raise ValueError("quantize_operand_with_transpose: tensorwise or rowwise operands only")
     if fused_quantize_available(t) and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        from loka_torchrec.kernels.fp8_quantize import fp8_quantize_with_transpose
+        from loka_torchrec.kernels.fp8_quantize import fp8_quantize_with_transpose  # optional: Triton
 
         return fp8_quantize_with_transpose(t, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, name=name)
     return quantize_operand(t, spec, name=name), quantize_operand(t.t(), spec, name=f"{name}^T")

@@ -47,7 +47,7 @@ class TritonBackend(GemmBackend):
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return Availability(False, f"FP8 tensor cores need compute capability >= 8.9; this GPU has {major}.{minor}")
-        from loka_torchrec.kernels.fp8_gemm import GemmConfig, _gemm_into
+        from loka_torchrec.kernels.fp8_gemm import GemmConfig, _gemm_into  # optional: Triton (as below)
         from loka_torchrec.kernels.fp8_quantize import fp8_quantize
 
         # One tiny launch of each kernel: compiles them and proves this Triton/driver pair runs them.
@@ -62,7 +62,7 @@ class TritonBackend(GemmBackend):
             raise ValueError(f"triton: granularity {spec.granularity.value} is not supported; use tensorwise or rowwise")
 
     def quantize(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Fp8Tensor:
-        from loka_torchrec.kernels.fp8_quantize import fp8_quantize
+        from loka_torchrec.kernels.fp8_quantize import fp8_quantize  # optional: Triton
 
         self._check_spec(spec)
         return fp8_quantize(t, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, name=name)
@@ -76,7 +76,7 @@ class TritonBackend(GemmBackend):
         ``B`` operand (``x^T``) of the grad-weight GEMM; for ``dy``, the ``A`` operands of the
         grad-input and grad-weight GEMMs.
         """
-        from loka_torchrec.kernels.fp8_quantize import fp8_quantize_with_transpose
+        from loka_torchrec.kernels.fp8_quantize import fp8_quantize_with_transpose  # optional: Triton
 
         self._check_spec(spec)
         return fp8_quantize_with_transpose(t, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, name=name)
@@ -92,7 +92,7 @@ class TritonBackend(GemmBackend):
         activation: str = "none",
     ) -> torch.Tensor:
         """``A @ B^T`` (+ ``bias``, then ``activation``) with the scales applied in the epilogue."""
-        from loka_torchrec.kernels.fp8_gemm import fp8_mm
+        from loka_torchrec.kernels.fp8_gemm import fp8_mm  # optional: Triton
 
         kernel_dtype = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
         out = fp8_mm(a, b, bias=bias, activation=activation, out_dtype=kernel_dtype, fast_accum=recipe.fast_accum)
