@@ -1,9 +1,9 @@
 """Spawning the ranks of a multi-rank test job, each ending the way the project's entry points do.
 
 A rank of a 2-rank gloo job used to die now and then with SIGABRT ("terminate called without an
-active exception") as its interpreter exited: a gloo worker thread, dropping a ``Work`` issued
-during a backward, took the GIL in a ``noexcept`` destructor while finalization started
-(``loka_job/training/distributed.py`` and ``docs/reliability.md`` give the cause). The entry
+active exception") as its interpreter exited: a gloo worker thread, dropping a finished ``Work``
+that kept Python objects alive, took the GIL in a ``noexcept`` destructor while finalization
+started (``loka_job/training/distributed.py`` and ``docs/reliability.md`` give the cause). The entry
 points end with :func:`~loka_job.training.distributed.exit_process`, and so does every rank that
 :func:`spawn_ranks` starts. No job is run a second time: an abort is the test's failure.
 """

@@ -1,7 +1,8 @@
 """How a rank ends: ``exit_process`` (flushed output, no interpreter teardown), ``spawn_ranks``,
-and the gloo abort at interpreter exit that this avoids (scripts/gloo_backward_exit_abort.py)."""
+and the gloo abort at interpreter exit that this avoids (scripts/gloo_exit_abort.py)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch.multiprocessing as mp
 from multirank import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPRO = os.path.join(ROOT, "scripts", "gloo_backward_exit_abort.py")
+REPRO = os.path.join(ROOT, "scripts", "gloo_exit_abort.py")
 
 # Output still in Python's buffers, a log record, an exit handler that must not run.
 _EXITS = """
@@ -53,17 +54,20 @@ def test_spawned_ranks_run_to_the_end_and_a_failing_rank_still_fails(tmp_path):
         spawn_ranks(_fail_on_rank_1, (), nprocs=2)
 
 
-def _repro(*flags):
+def _staged(runs, end):
+    """How many of ``runs`` forced-race jobs of the reproducer had a rank abort."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, REPRO, "--runs", "1", "--staged", *flags], capture_output=True, text=True, env=env, timeout=300)
+    cmd = [sys.executable, REPRO, "--runs", str(runs), "--staged", "--end", end]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return int(re.search(r"(\d+) with a rank aborted", proc.stdout).group(1))
 
 
 @pytest.mark.slow
 def test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process():
     # Rank 1's gloo worker finishes a Work issued in a backward while the main thread keeps the
-    # GIL up to interpreter exit: returning normally aborts (torch 2.13, Python 3.11). If this
-    # stops aborting, an upgrade fixed it upstream and exit_process may no longer be needed.
-    assert "1 jobs, 1 with a rank aborted" in _repro("--end", "return")
-    assert "1 jobs, 0 with a rank aborted" in _repro("--end", "exit_process")
+    # GIL up to interpreter exit. Returning normally aborted 9 of 10 such jobs (torch 2.13,
+    # Python 3.11): one of 3 fails to abort about once in a thousand. If none aborts any more,
+    # an upgrade has fixed it upstream and exit_process may no longer be needed.
+    assert _staged(3, "return") >= 1
+    assert _staged(2, "exit_process") == 0

@@ -4,18 +4,19 @@ end of a rank's process.
 Why a rank ends with :func:`exit_process` (``os._exit``) rather than by returning: with torch 2.13
 and Python 3.11 a rank could die with SIGABRT ("terminate called without an active exception") at
 interpreter exit (2 of 40 runs of the plain TorchRec example on a loaded 2-core machine, about
-1 job in 50 in CI). ``Tensor.backward`` stashes a ``contextvars.Context`` in the thread-local
-state (``torch.autograd.graph._engine_run_backward``);
-every gloo collective issued during the backward (DDP's gradient all-reduce, TorchRec's backward
-all-to-alls) copies that state, so the gloo ``Work`` holds a Python object. A gloo worker thread
-drops the finished ``Work`` and so takes the GIL inside ``~AsyncWork``, a ``noexcept``
-destructor. When that happens while the main thread is starting interpreter finalization, CPython
-3.11 ends the worker with ``pthread_exit`` in ``take_gil``; the forced unwind through the
-``noexcept`` frame calls ``std::terminate``. ``destroy_process_group`` does not stop gloo's worker
-threads (gloo's ``shutdown`` is a no-op) and no Python call waits for them, so the one way to
-rule the race out is not to finalize: after an orderly shutdown (:func:`shutdown_distributed`) the
-rank flushes its output and ends with ``os._exit``. ``docs/reliability.md`` has the core-file stack
-and ``scripts/gloo_backward_exit_abort.py`` reproduces it without TorchRec.
+1 job in 50 in CI). A gloo ``Work`` keeps Python objects alive: the ``contextvars.Context`` that
+``Tensor.backward`` stashes in the thread-local state (``torch.autograd.graph._engine_run_backward``),
+which every collective issued during a backward copies (DDP's gradient all-reduce, TorchRec's
+backward all-to-alls), and the Python objects of its tensors once Python has let go of them.
+When the gloo worker thread that finished a ``Work`` holds its last reference, ``~AsyncWork``
+(``noexcept``) releases those objects on that thread and takes the GIL to do it. If the main
+thread is starting interpreter finalization meanwhile, CPython 3.11 ends the worker with
+``pthread_exit`` in ``take_gil``, and the forced unwind through the ``noexcept`` frame calls
+``std::terminate``. ``destroy_process_group`` does not stop gloo's worker threads (gloo's
+``shutdown`` is a no-op) and no Python call waits for them, so the one way to rule the race out
+is not to finalize: after an orderly shutdown (:func:`shutdown_distributed`) the rank flushes its
+output and ends with ``os._exit``. ``docs/reliability.md`` has the core-file stacks and
+``scripts/gloo_exit_abort.py`` reproduces it with torch alone.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def init_distributed(device_name: str = "auto", *, timeout_s: int = 600) -> Dist
 def pipeline_in_flight(pipeline: Any) -> List[Any]:
     """The input distributions a TorchRec train pipeline has issued and not yet used: the
     awaitables of the prefetched batches (``TrainPipelineContext.input_dist_tensors_requests``),
-    whose all-to-alls may still be running when the training loop stops."""
-    return [request for context in getattr(pipeline, "contexts", ()) for request in context.input_dist_tensors_requests.values()]
+    whose all-to-alls may still be running when the training loop stops. Reads TorchRec 1.8's
+    ``pipeline.contexts``: a TorchRec that renames it fails here, loudly."""
+    return [request for context in pipeline.contexts for request in context.input_dist_tensors_requests.values()]
 
 
 def shutdown_distributed(pending: Iterable[Any] = ()) -> None:

@@ -1,21 +1,25 @@
 """Minimal reproduction of the SIGABRT at the end of 2-rank gloo jobs (no TorchRec, no LoKA).
 
-A rank issues an asynchronous gloo all-reduce during a backward (from a gradient hook, as DDP's
-reducer and TorchRec's backward all-to-alls do) and ends. ``Tensor.backward`` has stashed a
-``contextvars.Context`` in the thread-local state, the gloo ``Work`` copied that state, and the
-gloo worker thread that finishes the ``Work`` drops it, taking the GIL inside the ``noexcept``
-``~AsyncWork``. If the main thread is starting interpreter finalization then, Python 3.11 ends the
+Each rank issues an asynchronous gloo all-reduce, drops the ``Work`` and ends. The gloo worker
+thread that finishes the ``Work`` then holds its last reference and releases it: ``~AsyncWork``
+(``noexcept``) releases the Python objects the ``Work`` keeps alive and takes the GIL for that.
+Issued during a backward (from a gradient hook, as DDP's reducer and TorchRec's backward
+all-to-alls are), the ``Work`` holds the ``contextvars.Context`` that ``Tensor.backward`` stashed
+in the thread-local state; issued outside one, it holds its input tensor, whose Python object
+outlived the script's last reference to it (torch keeps a tensor's Python object while C++ holds
+the tensor). If the main thread is starting interpreter finalization then, Python 3.11 ends the
 worker with ``pthread_exit`` and the forced unwind calls ``std::terminate``: the rank dies with
-"terminate called without an active exception". ``docs/reliability.md`` has the stack.
+"terminate called without an active exception". ``docs/reliability.md`` has the stacks.
 
-    python scripts/gloo_backward_exit_abort.py --runs 30                     # the bare race
-    python scripts/gloo_backward_exit_abort.py --runs 30 --issue forward     # no Context held: no abort
-    python scripts/gloo_backward_exit_abort.py --runs 30 --end exit_process  # the project's ending
-    python scripts/gloo_backward_exit_abort.py --runs 5 --staged             # the race forced
+    python scripts/gloo_exit_abort.py --runs 30                     # issued in a backward
+    python scripts/gloo_exit_abort.py --runs 30 --issue forward     # issued outside a backward
+    python scripts/gloo_exit_abort.py --runs 30 --end exit_process  # the project's ending
+    python scripts/gloo_exit_abort.py --runs 5 --staged             # the race forced
 
-``--staged`` makes the race certain instead of likely: rank 0 joins the all-reduce a second late
-while rank 1's main thread keeps the GIL (``sys.setswitchinterval``) in a busy loop, so rank 1's
-worker finishes the ``Work`` while it waits for the GIL, and still waits when finalization starts.
+``--staged`` makes the race near certain instead of likely: rank 0 joins the all-reduce a second
+late while rank 1's main thread keeps the GIL (``sys.setswitchinterval``) in a busy loop, so rank
+1's worker finishes the ``Work`` while it waits for the GIL, and still waits when finalization
+starts.
 
 ``--end``: ``return`` ends the script normally; ``shutdown`` runs
 :func:`loka_job.training.distributed.shutdown_distributed` (barrier, destroy the group) first;
