@@ -41,6 +41,7 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from loka_job.training.distributed import exit_process, pipeline_in_flight, shutdown_distributed
 from loka_torchrec.atomic_files import write_text_atomic
 
 VARIANTS = ("fp32", "torchrec_bf16", "torchrec_fp8", "loka_fp8", "loka_fp8_bwd_fp8")
@@ -186,6 +187,8 @@ def run_variant(variant: str, args, device, plan, batches) -> Dict:
         "codec_backward": repr(codec.backward) if codec else None,
         "profile": profile,
     }
+    for request in pipeline_in_flight(pipeline):  # the prefetched batches' input all-to-alls
+        request.wait()
     del pipeline, optimizer, dmp
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -311,10 +314,10 @@ def main(argv=None) -> int:
         table = _markdown(meta, results)
         write_text_atomic(os.path.join(args.out, "results.md"), table)
         print(table)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # No interpreter teardown, where gloo's worker threads could abort the rank (loka_job/training/distributed.py).
+    exit_process(main())

@@ -17,6 +17,8 @@ import os
 import sys
 from typing import Any, Dict
 
+from loka_job.training.distributed import exit_process, init_distributed, pipeline_in_flight, shutdown_distributed
+
 __all__ = ["main", "run"]
 
 logger = logging.getLogger("loka_job.train")
@@ -31,7 +33,6 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     from loka_torchrec.config import LokaConfig
     from loka_job.models import build_model
     from loka_job.training.data import make_data
-    from loka_job.training.distributed import init_distributed
     from loka_job.training.sharding import check_sharding_group_size
     from loka_job.training.trainer import TrainConfig, Trainer, check_baseline_vs_loka, enable_determinism
 
@@ -73,18 +74,13 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
             train_split=data.train_split,
         )
         summary = trainer.fit()
-        # The pipeline may still hold input distributions issued for batches it prefetched: let
-        # every rank finish them before the process group goes away (else a C++ abort at exit).
-        del trainer
-        import gc
-
-        gc.collect()
-        dist.barrier()
+        # The pipeline's input all-to-alls of the batches it prefetched, a barrier, the group.
+        shutdown_distributed(pending=pipeline_in_flight(trainer.pipeline))
         if ctx.is_main:
             print(format_summary(summary), flush=True)
         return summary
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # after an error: no barrier (a peer may be gone)
             dist.destroy_process_group()
 
 
@@ -209,6 +205,9 @@ def main() -> None:
         run(resolved, HydraConfig.get().runtime.output_dir)
 
     _app()
+    # Only after a run that succeeded (Hydra exits on an error): end without interpreter
+    # teardown, where gloo's worker threads could abort the process (loka_job/training/distributed.py).
+    exit_process(0)
 
 
 if __name__ == "__main__":

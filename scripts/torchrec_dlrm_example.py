@@ -30,6 +30,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from loka_job.training.distributed import exit_process, pipeline_in_flight, shutdown_distributed
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description="TorchRec DLRM on random data")
@@ -108,8 +110,11 @@ def main() -> None:
         loka.close()  # LoKA
         if dist.get_rank() == 0:
             print(loka.dispatcher.plan.table())
-    dist.destroy_process_group()
+    # The prefetched batches' input all-to-alls, a barrier, the group; then the process ends
+    # without interpreter teardown, where gloo's worker threads could abort it (loka_job/training/distributed.py).
+    shutdown_distributed(pending=pipeline_in_flight(pipeline))
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import loka_torchrec
@@ -16,6 +15,7 @@ from loka_torchrec.gemm.backends.base import BackendUnavailableError
 from loka_torchrec.dispatch.dispatcher import PlanMismatchError
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.evidence import BF16, KernelChoice
+from multirank import spawn_ranks
 
 
 @register_backend
@@ -154,7 +154,7 @@ def _worker(rank, world, init_file, tamper, out_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("tamper", [False, True])
 def test_two_ranks_run_the_identical_plan_or_fail_loudly(tmp_path, tamper):
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), tamper, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_worker, (2, str(tmp_path / "init"), tamper, str(tmp_path)), nprocs=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if tamper:
         assert all("ranks run different dispatch plans" in r.get("error", "") for r in results), results

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from loka_job.training.checkpoint import CheckpointError, checkpoint_problem, resume_checkpoint, save_checkpoint
+from multirank import spawn_ranks
 
 
 def _state(step):
@@ -152,7 +152,7 @@ def _damage_rank1(path):
 
 def test_two_ranks_agree_on_the_older_checkpoint_when_one_file_is_damaged(tmp_path):
     init_file = tempfile.mktemp(dir=tmp_path)
-    mp.spawn(_two_rank_worker, args=(2, init_file, str(tmp_path / "run"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_two_rank_worker, (2, init_file, str(tmp_path / "run"), str(tmp_path)), nprocs=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, result in enumerate(results):
         assert result["folder"].endswith("step_000004") and result["step"] == 4 and result["rank"] == rank

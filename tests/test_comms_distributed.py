@@ -473,11 +473,10 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from multirank import spawn_job
+    from multirank import spawn_ranks
 
     out_dir = tmp_path_factory.mktemp("comms_dmp")
-    # once more after the known gloo/TorchRec abort (tests/multirank.py), with a fresh store
-    spawn_job(worker, lambda attempt: (2, str(out_dir / f"store{attempt}"), str(out_dir)), nprocs=2)
+    spawn_ranks(worker, (2, str(out_dir / "store"), str(out_dir)), nprocs=2)
     results = [json.load(open(out_dir / f"rank{r}.json")) for r in range(2)]
     for r, res in enumerate(results):
         if "error" in res:

@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from multirank import run_job
 from small_job import SMALL_DLRM
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import loka_job.training.metrics as metrics_module
 from loka_job.training.metrics import (
@@ -17,6 +16,7 @@ from loka_job.training.metrics import (
     binary_entropy,
     normalized_entropy,
 )
+from multirank import spawn_ranks
 
 WORLD = 2
 
@@ -176,7 +176,7 @@ def _merge_worker(rank: int, init_file: str) -> None:
 @pytest.mark.slow
 def test_two_gloo_ranks_merge_to_the_single_process_metrics():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_merge_worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True)
+        spawn_ranks(_merge_worker, (os.path.join(tmp, "store"),), nprocs=WORLD)
 
 
 @pytest.mark.gpu

@@ -10,10 +10,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from multirank import spawn_job
+from multirank import spawn_ranks
 
 WORLD_SIZE = 2
 STEPS = 30
@@ -152,10 +151,7 @@ def _rank_main(rank: int, model_name: str, preset: str, store: str, out_dir: str
 @pytest.mark.parametrize("model_name", ["dhen", "hstu"])
 def test_trains_under_two_rank_dmp_with_and_without_mods(model_name, tmp_path):
     for preset in ("none", "all"):
-        spawn_job(  # once more after the known gloo/TorchRec abort (tests/multirank.py)
-            _rank_main, lambda attempt: (model_name, preset, str(tmp_path / f"store-{preset}-{attempt}"), str(tmp_path)),
-            WORLD_SIZE,
-        )
+        spawn_ranks(_rank_main, (model_name, preset, str(tmp_path / f"store-{preset}"), str(tmp_path)), WORLD_SIZE)
     ranks = [
         {preset: json.loads((tmp_path / f"rank{r}-{preset}.json").read_text()) for preset in ("none", "all")}
         for r in range(WORLD_SIZE)

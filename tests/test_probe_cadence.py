@@ -6,11 +6,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from loka_torchrec.probe import ProbeCallback, ProbeConfig
 from loka_torchrec.probe.cadence import MonitorCadence, monitor_interval
+from multirank import spawn_ranks
 
 
 class FakeClock:
@@ -163,6 +163,6 @@ def _agree_worker(rank: int, init_file: str, result_file: str) -> None:
 def test_two_gloo_ranks_agree_on_the_longest_interval():
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
-        mp.spawn(_agree_worker, args=(os.path.join(tmp, "store"), result), nprocs=2, join=True)
+        spawn_ranks(_agree_worker, (os.path.join(tmp, "store"), result), nprocs=2)
         outputs = [open(f"{result}.{r}").read() for r in range(2)]
     assert outputs[0] == outputs[1] == "3000 [20]"

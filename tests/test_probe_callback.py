@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
 from loka_torchrec.probe import ProbeCallback, ProbeConfig, canonical_fqn, probe
 from loka_torchrec.probe.logs import read_rank_log, read_summary
+from multirank import spawn_ranks
 
 SMM_TW = KernelChoice("scaled_mm", "tensorwise")
 SMM_RW = KernelChoice("scaled_mm", "rowwise")
@@ -293,7 +293,7 @@ def _rank_worker(rank: int, init_file: str, run_dir: str) -> None:
 @pytest.mark.slow
 def test_two_gloo_ranks_decide_identically(tmp_path):
     run_dir = str(tmp_path)
-    mp.spawn(_rank_worker, args=(str(tmp_path / "store"), run_dir), nprocs=2, join=True)
+    spawn_ranks(_rank_worker, (str(tmp_path / "store"), run_dir), nprocs=2)
     out = [json.loads((tmp_path / f"calls{r}.json").read_text()) for r in range(2)]
     assert out[0]["calls"] == out[1]["calls"]
     assert out[0]["evidence"] == out[1]["evidence"]  # the same evidence list on every rank

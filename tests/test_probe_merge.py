@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from loka_torchrec.probe.merge import all_reduce_statistics, rank_deviation
 from loka_torchrec.probe.statistics import TensorStatistics
+from multirank import spawn_ranks
 
 WORLD = 2
 DIM, CAP = 10, 6
@@ -79,7 +79,7 @@ def _merge_worker(rank: int, init_file: str, backend: str) -> None:
 
 def _spawn(backend: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_merge_worker, args=(os.path.join(tmp, "store"), backend), nprocs=WORLD, join=True)
+        spawn_ranks(_merge_worker, (os.path.join(tmp, "store"), backend), nprocs=WORLD)
 
 
 @pytest.mark.slow

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import loka_torchrec
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.step_guard import StepTimeGuard
+from multirank import spawn_ranks
 
 
 def _feed(guard, times, *, fp8, start=0):
@@ -115,7 +115,7 @@ def _guard_worker(rank, world, init_file, out_dir):
 
 @pytest.mark.slow
 def test_two_ranks_take_the_same_verdict(tmp_path):
-    mp.start_processes(_guard_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_guard_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1] and results[0]["fp8"] is False
     assert "12.00 ms with FP8 vs 10.00 ms in bf16" in results[0]["reason"]

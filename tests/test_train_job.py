@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from multirank import run_job
 from small_job import SMALL_DLRM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,8 +27,7 @@ def launch(run_dir, *overrides, nproc=2, expect_ok=True, base=SMALL):
     # Not from the repository root: there `-m` would import the source tree's loka_torchrec, which
     # lacks the kernels/recipes subpackages that an install (editable here, a copy on a GPU machine) maps in.
     os.makedirs(run_dir, exist_ok=True)
-    # once more after the known gloo/TorchRec abort (tests/multirank.py), in an emptied run dir
-    proc = run_job(cmd, cwd=str(run_dir), env=env, timeout=420, fresh_dir=str(run_dir))
+    proc = subprocess.run(cmd, cwd=str(run_dir), env=env, capture_output=True, text=True, timeout=420)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
