@@ -135,7 +135,7 @@ def format_summary(s: Dict[str, Any]) -> str:
                 f"events in dispatch_events.jsonl)"
             )
         if loka.get("step_guard"):
-            lines.append(f"step-time guard   {loka['step_guard']}")
+            lines.append(f"step-time guard  {loka['step_guard'].removeprefix('step-time guard ')}")
         if loka.get("fallen_back"):
             lines.append(f"safety valve     in bf16 now: {sorted(loka['fallen_back'])}")
     elif not baseline:
