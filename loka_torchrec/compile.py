@@ -38,7 +38,7 @@ try:  # TorchRec's awaitable, resolved before a compiled module runs; the librar
 except ImportError:  # no TorchRec: nothing to wait for
     LazyAwaitable = None
 
-__all__ = ["COMPILE_MODES", "compile_dense", "dense_modules", "eager", "resolve_compile_mode"]
+__all__ = ["COMPILE_MODES", "compile_dense", "dense_modules", "eager", "resolve_awaitables", "resolve_compile_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +144,10 @@ def _module_caller() -> Callable:
 
 
 def _call_resolved(compiled, module: nn.Module, *args, **kwargs):
-    return compiled(module, *_resolved(args), **kwargs)
+    return compiled(module, *resolve_awaitables(args), **kwargs)
 
 
-def _resolved(args: Tuple) -> Tuple:
+def resolve_awaitables(args: Tuple) -> Tuple:
     """``args`` with TorchRec's ``LazyAwaitable``s waited for, once, as TorchRec resolves them (the
     result is kept on the awaitable, so a later use of the same object does not wait again)."""
     if LazyAwaitable is None:

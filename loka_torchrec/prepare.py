@@ -39,8 +39,9 @@ from loka_torchrec.comms.auto import decide as decide_comms_precision
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.sharders import model_embedding_dims
 from loka_torchrec.comms.sharders import sharders as comms_sharders
-from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
+from loka_torchrec.compile import compile_dense, dense_modules, eager, resolve_compile_mode
 from loka_torchrec.config import LokaConfig
+from loka_torchrec.dense_inputs import DenseInputs
 from loka_torchrec.probe import ProbeCallback
 
 __all__ = ["Loka", "prepare", "COMMS_PLAN_FILE"]
@@ -75,6 +76,7 @@ class Loka:
     process_group: Optional[Any] = None
     batch_size: Optional[int] = None
     embedding_dims: List[int] = dataclasses.field(default_factory=list)
+    dense_inputs: Optional[DenseInputs] = None
     _started: bool = False
     _last_step_end: Optional[float] = None
     _comms_restored: bool = False
@@ -145,6 +147,7 @@ class Loka:
             self.dispatcher.start()
             if self.comms_selection is None:
                 self._write_comms_plan()  # fixed precisions: nothing to decide
+            self._record_dense_inputs(1)
 
     def eager_at(self, step: int) -> bool:
         """Whether compiled modules must run eagerly at ``step`` (numbered from 1): the Probe's
@@ -173,6 +176,23 @@ class Loka:
         self.step_end(step, step_ms=step_ms)
         self._last_step_end = time.perf_counter()  # planning work in step_end is not the next step's
 
+    def _record_dense_inputs(self, step: int) -> None:
+        """``dispatch.grad_check``: record the dense modules' inputs in ``step`` if it may be the
+        planning step (under compile only eager steps: a hook would change the compiled graph)."""
+        if self.dense_inputs is not None and (not self.compiled_modules or self.eager_at(step)):
+            self.dense_inputs.record()
+
+    def _check_gradients(self, step: int) -> None:
+        """``dispatch.grad_check``: the first plan with FP8 is checked against the weight gradients
+        of the dense modules on the inputs they saw in the planning step, once per run (all ranks
+        make the plan at the same step; the check broadcasts rank 0's result)."""
+        inputs, self.dense_inputs = self.dense_inputs, None
+        if not inputs.recorded:
+            logger.warning("dispatch.grad_check: no dense-module inputs were recorded before the plan at step %d; not checked", step)
+            return
+        self.dispatcher.check_gradients(inputs.loss, step=step)
+        inputs.clear()
+
     def step_end(self, step: int, *, step_ms: Optional[float] = None) -> None:
         """Report the end of training step ``step`` (numbered from 1): the Probe merges and plans
         when due, Dispatch plans from random evidence when due, and ``step_ms`` (the step's wall
@@ -180,9 +200,15 @@ class Loka:
         comms not decided yet are decided here (from the next step on; see :meth:`decide_comms`)."""
         self.start()
         self.decide_comms()
+        plan = self.dispatcher.plan
+        if self.dense_inputs is not None:
+            self.dense_inputs.stop()
         self.dispatcher.on_step_end(step)
         if self.probe is not None:
             self.probe.on_step_end(step)
+        if self.dense_inputs is not None and self.dispatcher.plan is not plan and self.dispatcher.plan.fp8_gemm_count():
+            self._check_gradients(step)
+        self._record_dense_inputs(step + 1)
         if step_ms is not None:
             self.dispatcher.observe_step_time(step, step_ms)
 
@@ -210,6 +236,9 @@ class Loka:
         if not isinstance(state, Mapping) or "dispatch" not in state:
             raise ValueError("loka state: expected the mapping Loka.state_dict() returned (with key 'dispatch')")
         self.dispatcher.load_state_dict(state["dispatch"])
+        if self.dispatcher.plan.fp8_gemm_count() and self.dense_inputs is not None:
+            self.dense_inputs.clear()  # the plan made before the checkpoint was checked then
+            self.dense_inputs = None
         if self.comms_selection is not None and state.get("comms_choice") is not None:
             self._restore_comms(CommsChoice.from_dict(state["comms_choice"]))
         if self.probe is not None:
@@ -309,4 +338,5 @@ def prepare(
         comms_selection=CommsSelection() if config.comms.auto else None,
         run_dir=run_dir, process_group=process_group, batch_size=batch_size,
         embedding_dims=model_embedding_dims(model),
+        dense_inputs=DenseInputs({n: model.get_submodule(n) for n in dense_modules(model)}) if config.dispatch.grad_check else None,
     )  # fmt: skip

@@ -10,6 +10,8 @@ per-head layer norm, is what breaks it. The check must find that role and only s
 import torch
 
 import loka_torchrec
+from loka_torchrec import LokaConfig
+from loka_torchrec.probe import ProbeConfig
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.grad_check import SOURCE
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
@@ -84,3 +86,35 @@ def test_gradient_check_keeps_a_plan_that_meets_the_floor_and_leaves_gradients_a
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, before[n]), n
 
+
+
+def _train_steps_with_prepare(tmp_path, grad_check: bool):
+    """The raw HSTU model through loka_torchrec.prepare: the Probe plans after 3 steps (emulated
+    rowwise FP8 wherever accurate), with or without ``dispatch.grad_check``; weights unchanged."""
+    x = _batch()
+    model = raw_hstu()
+    dispatch = DispatchConfig(candidates=("emulated:rowwise",), min_speedup=0.0, grad_check=grad_check)
+    config = LokaConfig(enabled=True, probe=ProbeConfig(warmup_steps=3, every=1), dispatch=dispatch)
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path))
+    for step in range(1, 6):
+        with loka.step(step):
+            model.zero_grad()
+            model(x).square().mean().backward()
+    loka.close()
+    return model, loka, x
+
+
+def test_prepare_with_grad_check_checks_the_first_fp8_plan_on_the_planning_steps_inputs(tmp_path):
+    model, loka, x = _train_steps_with_prepare(tmp_path / "checked", grad_check=True)
+    ref = _float64_grads(x)
+    plan = loka.dispatcher.plan
+    assert plan.fp8_gemm_count() > 0 and plan.step > 0
+    checks = [e for e in loka.dispatcher.events if e["event"] == "grad_check"]
+    assert checks and {e["step"] for e in checks} == {plan.step}  # at the step the plan was made, once
+    assert min(_site_weight_db(model, x, ref).values()) >= GRAD_DB
+    assert loka.dense_inputs is None  # nothing recorded is held after the check
+
+    unchecked, loka_off, _ = _train_steps_with_prepare(tmp_path / "unchecked", grad_check=False)
+    assert not [e for e in loka_off.dispatcher.events if e["event"] == "grad_check"]
+    assert loka_off.dispatcher.plan.fp8_gemm_count() > plan.fp8_gemm_count()
+    assert min(_site_weight_db(unchecked, x, ref).values()) < GRAD_DB

@@ -57,6 +57,11 @@ class DispatchConfig:
             gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
             high precision; the FP8 roles that push one below it go back to bf16
             (:mod:`loka_torchrec.dispatch.grad_check`).
+        grad_check: run that check once, right after the first plan with FP8 in it, on the inputs
+            the dense modules saw in the planning step (:class:`loka_torchrec.Loka` does it; a
+            model that amplifies a forward GEMM's error, such as HSTU's attention over its fused
+            u|v|q|k projection, needs it). Costs a few forward + backward passes of the dense
+            part at that step, and keeps one step's dense inputs until then.
         compiled: the layers run under ``torch.compile`` (the training job sets it from
             ``train.compile``). Candidates whose kernels do not trace (a backend's
             ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
@@ -83,6 +88,7 @@ class DispatchConfig:
     layer_check_reps: int = 10
     compiled: bool = False
     min_grad_sqnr_db: float = 17.0
+    grad_check: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -120,7 +126,7 @@ class DispatchConfig:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
-        for flag in ("compiled",):
+        for flag in ("compiled", "grad_check"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"dispatch.{flag}: expected true or false, got {getattr(self, flag)!r}")
         sqnr_floor = self.min_grad_sqnr_db
