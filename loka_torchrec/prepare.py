@@ -206,7 +206,8 @@ class Loka:
         self.dispatcher.on_step_end(step)
         if self.probe is not None:
             self.probe.on_step_end(step)
-        if self.dense_inputs is not None and self.dispatcher.plan is not plan and self.dispatcher.plan.fp8_gemm_count():
+        made = self.dispatcher.plan  # a policy plan made at this step has its step number
+        if self.dense_inputs is not None and made.step > 0 and made.step != plan.step and made.fp8_gemm_count():
             self._check_gradients(step)
         self._record_dense_inputs(step + 1)
         if step_ms is not None:
@@ -338,5 +339,6 @@ def prepare(
         comms_selection=CommsSelection() if config.comms.auto else None,
         run_dir=run_dir, process_group=process_group, batch_size=batch_size,
         embedding_dims=model_embedding_dims(model),
-        dense_inputs=DenseInputs({n: model.get_submodule(n) for n in dense_modules(model)}) if config.dispatch.grad_check else None,
+        dense_inputs=DenseInputs({n: model.get_submodule(n) for n in dense_modules(model)})
+        if config.dispatch.grad_check and config.dispatch.mode == "policy" else None,
     )  # fmt: skip

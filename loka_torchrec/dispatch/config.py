@@ -57,11 +57,12 @@ class DispatchConfig:
             gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
             high precision; the FP8 roles that push one below it go back to bf16
             (:mod:`loka_torchrec.dispatch.grad_check`).
-        grad_check: run that check once, right after the first plan with FP8 in it, on the inputs
-            the dense modules saw in the planning step (:class:`loka_torchrec.Loka` does it; a
-            model that amplifies a forward GEMM's error, such as HSTU's attention over its fused
-            u|v|q|k projection, needs it). Costs a few forward + backward passes of the dense
-            part at that step, and keeps one step's dense inputs until then.
+        grad_check: run that check once, right after the first ``policy`` plan with FP8 in it
+            (static and pinned plans run as given), on the inputs the dense modules saw before
+            the plan (:class:`loka_torchrec.Loka` does it; a model that amplifies a forward
+            GEMM's error, such as HSTU's attention over its fused u|v|q|k projection, needs it).
+            Costs a few forward + backward passes of the dense part at that step, and keeps one
+            step's dense inputs until then.
         compiled: the layers run under ``torch.compile`` (the training job sets it from
             ``train.compile``). Candidates whose kernels do not trace (a backend's
             ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
