@@ -89,7 +89,7 @@ class DispatchConfig:
     layer_check_reps: int = 10
     compiled: bool = False
     min_grad_sqnr_db: float = 17.0
-    grad_check: bool = False
+    grad_check: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
