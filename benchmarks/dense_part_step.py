@@ -38,7 +38,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from loka_job.training.profiling import StepProfiler
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.plan import DispatchPlan, RoleDecision
 from loka_torchrec.evidence import BF16, KernelChoice
+from loka_torchrec.gemm.measure import call_times_ms
 from loka_torchrec.mods import ModsConfig, apply_mods
 
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_nomods_compile_cudagraphs", "torchao_tensorwise_compile",
@@ -161,21 +162,6 @@ def make(run: str, args, device) -> nn.Module:
     return torch.compile(model, mode=mode, fullgraph=not run.startswith("torchao"))
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int) -> List[float]:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def profile_steps(step: Callable[[], None], steps: int, out_dir: str) -> Dict[str, float]:
     """Device ms per step by kernel category over ``steps`` profiled steps (the job's categories)."""
     profiler = StepProfiler(1, steps, device=torch.device("cuda"), out_dir=out_dir)
@@ -207,7 +193,7 @@ def main(argv=None) -> int:
                 torch.compiler.cudagraph_mark_step_begin()
                 model(dense, pooled).float().sum().backward()
 
-            times = time_steps(step, args.warmup, args.steps)
+            times = call_times_ms(step, reps=args.steps, device=device, warmup=args.warmup)
             results[run] = {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
             if args.profile_steps:
                 results[run]["profile"] = profile_steps(step, args.profile_steps, f"{args.out}-profiles/{run}")

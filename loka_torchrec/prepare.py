@@ -65,6 +65,8 @@ class Loka:
             direction is ``"auto"``); set by :meth:`decide_comms` or :meth:`load_state_dict`.
         run_dir, process_group, batch_size, embedding_dims: what :meth:`decide_comms` writes to
             and times (see :func:`prepare`).
+        dense_inputs: with ``dispatch.grad_check`` under a ``policy`` plan, the dense modules'
+            inputs recorded until the first FP8 plan is checked (then ``None``).
     """
 
     config: LokaConfig

@@ -18,7 +18,7 @@ from loka_torchrec.gemm.candidates import resolve_candidate
 from loka_torchrec.fp8 import Fp8Format, mere
 from loka_torchrec.gemm.intervals import iqr_interval
 
-__all__ = ["excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
+__all__ = ["call_times_ms", "excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,20 +121,14 @@ def graph_replay_ms(calls: Sequence[Callable[[], object]], *, reps: int, device:
     return times
 
 
-def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup: int = 1, device_time: bool = False) -> Interval:
-    """Median and inter-quartile range of ``fn``'s run time in milliseconds (method ``"iqr"``).
-
-    CUDA: CUDA events around each call after ``warmup`` calls; with ``device_time``, ``fn``
-    replayed in a CUDA graph instead (:func:`graph_replay_ms`: no host time), falling back to
-    the events if it cannot be captured. CPU: ``time.perf_counter``.
-    """
+def call_times_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup: int = 1) -> List[float]:
+    """``fn``'s run time in milliseconds, once per call, for ``reps`` calls after ``warmup`` calls:
+    CUDA events around each call on CUDA (the device synchronized first), ``time.perf_counter``
+    elsewhere."""
     for _ in range(warmup):
         fn()
     times: List[float] = []
-    replayed = graph_replay_ms([fn], reps=reps, device=device) if device_time and device.type == "cuda" else None
-    if replayed is not None:
-        times = replayed
-    elif device.type == "cuda":
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,4 +142,21 @@ def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return iqr_interval(times)
+    return times
+
+
+def time_ms(fn: Callable[[], object], *, reps: int, device: torch.device, warmup: int = 1, device_time: bool = False) -> Interval:
+    """Median and inter-quartile range of ``fn``'s run time in milliseconds (method ``"iqr"``).
+
+    CUDA: CUDA events around each call after ``warmup`` calls; with ``device_time``, ``fn``
+    replayed in a CUDA graph instead (:func:`graph_replay_ms`: no host time), falling back to
+    the events if it cannot be captured. CPU: ``time.perf_counter``.
+    """
+    if device_time and device.type == "cuda":
+        for _ in range(warmup):
+            fn()
+        replayed = graph_replay_ms([fn], reps=reps, device=device)
+        if replayed is not None:
+            return iqr_interval(replayed)
+        warmup = 0
+    return iqr_interval(call_times_ms(fn, reps=reps, device=device, warmup=warmup))
