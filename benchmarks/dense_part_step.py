@@ -19,9 +19,12 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``loka_tensorwise_compile``: as ``loka_speed_gate_compile``, with ``scaled_mm:tensorwise`` for
   every role where that candidate itself passes both gates (one quantization of each operand
   serves every role that reads it).
+* ``loka_fast_accum_compile``, ``loka_fast_accum_fwd_compile``: ``--plan`` as it is, with each FP8
+  GEMM (or each FP8 forward GEMM) on its recipe's ``_fast_accum`` twin: the speed that fast
+  accumulation would add to that plan, whatever its accuracy (a training run measures that).
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
-GEMMs, FP8 GEMMs, FP8 quantization, other), to show where a run's time goes.
+GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
 
 Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, the table with ratios to the
 faster bf16 compile mode). Example (one GPU)::
@@ -51,14 +54,19 @@ from loka_job.training.profiling import StepProfiler
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.plan import DispatchPlan, RoleDecision
 from loka_torchrec.evidence import BF16, KernelChoice
+from loka_torchrec.gemm.backends import get_backend
+from loka_torchrec.gemm.recipes import FAST_ACCUM_SUFFIX
 from loka_torchrec.gemm.measure import call_times_ms
 from loka_torchrec.mods import ModsConfig, apply_mods
 
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_nomods_compile_cudagraphs", "torchao_tensorwise_compile",
-        "torchao_rowwise_compile", "loka_compile", "loka_speed_gate_compile", "loka_tensorwise_compile")  # fmt: skip
+        "torchao_rowwise_compile", "loka_compile", "loka_speed_gate_compile", "loka_tensorwise_compile",
+        "loka_fast_accum_compile", "loka_fast_accum_fwd_compile")  # fmt: skip
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
 """Runs whose plan is re-decided from ``--plan``'s evidence by the gates alone, with the one
 candidate they are restricted to (``None``: the fastest that passes)."""
+FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "loka_fast_accum_fwd_compile": ("fwd",)}
+"""Runs whose plan is ``--plan`` with these roles' FP8 GEMMs on their ``_fast_accum`` twins."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -143,6 +151,22 @@ def gates_only_plan(plan: DispatchPlan, only: Optional[str]) -> DispatchPlan:
     return dataclasses.replace(plan, layers=layers, mode="pinned")
 
 
+def fast_accum_plan(plan: DispatchPlan, roles) -> DispatchPlan:
+    """``plan`` with every FP8 GEMM of ``roles`` on its recipe's ``_fast_accum`` twin, where its
+    backend has one (the decision's evidence and reason are kept, prefixed)."""
+    layers = {}
+    for name, layer in plan.layers.items():
+        decisions = dict(layer.roles)
+        for role, decision in layer.roles.items():
+            choice = decision.choice
+            twin = f"{choice.recipe}{FAST_ACCUM_SUFFIX}"
+            if role.value in roles and not choice.is_high_precision and twin in get_backend(choice.backend).recipes:
+                decisions[role] = dataclasses.replace(decision, choice=KernelChoice(choice.backend, twin),
+                                                      reason="fast accumulation: " + decision.reason)  # fmt: skip
+        layers[name] = dataclasses.replace(layer, roles=decisions)
+    return dataclasses.replace(plan, layers=layers, mode="pinned")
+
+
 def make(run: str, args, device) -> nn.Module:
     mods = run.startswith("bf16_compile") or run.startswith("loka_")
     model = build(args.preset, device, mods=mods).to(torch.bfloat16)
@@ -155,6 +179,9 @@ def make(run: str, args, device) -> nn.Module:
         if run in PLAN_VARIANTS:
             plan_path = f"{args.out}-{run}-plan.json"
             gates_only_plan(DispatchPlan.load(args.plan), PLAN_VARIANTS[run]).save(plan_path)
+        elif run in FAST_ACCUM_VARIANTS:
+            plan_path = f"{args.out}-{run}-plan.json"
+            fast_accum_plan(DispatchPlan.load(args.plan), FAST_ACCUM_VARIANTS[run]).save(plan_path)
         dispatch = DispatchConfig(mode="pinned", plan_path=plan_path) if plan_path else DispatchConfig(mode=args.mode)
         report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
         print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
@@ -171,7 +198,9 @@ def profile_steps(step: Callable[[], None], steps: int, out_dir: str) -> Dict[st
         profiler.after_step(i)
     report = profiler.finish()
     per_step = {c: v["ms_per_step"] for c, v in report["categories"].items()}
-    return {"kernel_ms": report["kernel_ms_per_step"], **per_step}
+    top = [{"name": k["name"], "category": k["category"], "ms_per_step": k["ms"] / steps, "calls_per_step": k["calls"] / steps}
+           for k in report["top_kernels"]]  # fmt: skip
+    return {"kernel_ms": report["kernel_ms_per_step"], **per_step, "top_kernels": top}
 
 
 def main(argv=None) -> int:

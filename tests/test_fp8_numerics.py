@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from loka_torchrec.gemm.backends import backend_names, get_backend
 from loka_torchrec.gemm.measure import role_operands
-from loka_torchrec.gemm.recipes import recipe_for
+from loka_torchrec.gemm.recipes import FP8_RECIPE_NAMES, recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape
 from loka_torchrec.fp8 import (
     AMAX_EPS,
@@ -574,7 +574,9 @@ def _accumulation_bound(a_hat: torch.Tensor, b_hat: torch.Tensor) -> torch.Tenso
     return (k + 2) * EPS32 * (a_hat.double().abs() @ b_hat.double().abs().t())
 
 
-FP8_CASES = [("emulated", r) for r in ("tensorwise", "rowwise", "blockwise")] + [("scaled_mm", r) for r in ("tensorwise", "rowwise")]
+FP8_CASES = [("emulated", r) for r in ("tensorwise", "rowwise", "blockwise")] + [
+    ("scaled_mm", r) for r in ("tensorwise", "rowwise", "tensorwise_fast_accum", "rowwise_fast_accum")
+]
 
 
 # grad_format only changes the gradient operand (A of dgrad and wgrad).
@@ -698,3 +700,45 @@ def test_scaled_mm_on_cuda_matches_emulated(recipe_name, role):
     )
     shape = GemmShape(208, 250, 128)
     assert "multiples of 16" in backend.check(recipe, shape, "cuda")
+
+
+# --------------------------------------------------------------------------------------- fast accumulation
+@pytest.mark.parametrize("base", ["tensorwise", "rowwise", "blockwise", "triton_rowwise"])
+@pytest.mark.parametrize("role", list(GemmRole))
+def test_fast_accum_twin_has_the_same_operands(base, role):
+    plain, fast = recipe_for(base, role, grad_format="e5m2"), recipe_for(base + "_fast_accum", role, grad_format="e5m2")
+    assert (plain.fast_accum, fast.fast_accum) == (False, True)
+    assert (plain.a, plain.b) == (fast.a, fast.b)
+    assert plain.base == fast.base == base and fast.name == base + "_fast_accum"
+    assert base + "_fast_accum" in FP8_RECIPE_NAMES
+
+
+def test_unknown_recipe_names_fail_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown FP8 recipe 'rowwise_fast'.*rowwise_fast_accum"):
+        recipe_for("rowwise_fast", GemmRole.FORWARD)
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise_fast_accum", "rowwise_fast_accum"])
+def test_scaled_mm_passes_fast_accum_to_torch(recipe_name, monkeypatch):
+    seen = []
+    original = torch._scaled_mm
+
+    def spy(*args, use_fast_accum=False, **kwargs):
+        seen.append(use_fast_accum)
+        return original(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    a, b = _role_operands(GemmRole.FORWARD)
+    backend = get_backend("scaled_mm")
+    for name in (recipe_name, recipe_name.replace("_fast_accum", "")):
+        backend.gemm(a, b, recipe_for(name, GemmRole.FORWARD), torch.float32)
+    assert seen == [True, False]
+
+
+def test_auto_offers_fast_accum_only_on_cuda():
+    """Off CUDA the twin is the base kernel: ``auto`` leaves it out rather than measure it twice."""
+    backend = get_backend("scaled_mm")
+    assert set(backend.auto_recipes("cpu")) == {"tensorwise", "rowwise"}
+    assert set(backend.auto_recipes(torch.device("cuda"))) == set(backend.recipes) >= {
+        "tensorwise_fast_accum", "rowwise_fast_accum",
+    }  # fmt: skip

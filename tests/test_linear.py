@@ -44,6 +44,7 @@ FP8_CHOICES = [
     "emulated:blockwise",
     "scaled_mm:tensorwise",
     "scaled_mm:rowwise",
+    "scaled_mm:rowwise_fast_accum",
 ]
 ROWS_SHAPE, IN, OUT = (4, 24), 160, 80  # rows = 96; 160 and 80 leave partial 128-blocks
 E4M3 = Fp8Format.E4M3
@@ -593,7 +594,7 @@ def test_torch_compile_aot_eager_matches_eager():
 # --------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "tensorwise_fast_accum", "rowwise_fast_accum"])
 @pytest.mark.parametrize("rows, in_f, out_f", [(64, 128, 256), (40, 40, 24)])
 def test_cuda_scaled_mm_all_roles(recipe, rows, in_f, out_f):
     if torch.cuda.get_device_capability() < (8, 9):
@@ -607,7 +608,7 @@ def test_cuda_scaled_mm_all_roles(recipe, rows, in_f, out_f):
     assert y.dtype == torch.float32
     y_ref, dx_ref, dw_ref, _ = reference(layer, x, dy)
     x64, dy64, w = x.double(), dy.double(), layer.weight.detach().double()
-    out_roundoff = 2.0**-8 if recipe == "rowwise" else 0.0  # CUDA rowwise _scaled_mm outputs bf16
+    out_roundoff = 2.0**-8 if recipe.startswith("rowwise") else 0.0  # CUDA rowwise _scaled_mm outputs bf16
     for out, ref, a, b in ((y, y_ref, x64, w), (dx, dx_ref, dy64, w.t()), (dw, dw_ref, dy64.t(), x64.t())):
         lo, hi = fp8_gemm_error_range(a, b, E4M3, E4M3, out_roundoff=out_roundoff)
         err = rel_err(out, ref, a @ b.t())

@@ -65,6 +65,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ("Memset (Device)", "memcpy_memset"),
         ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>(...)", "attention"),
         ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(...)", "attention"),
+        # Inductor's generated kernels (names from a compiled LoKA step on the H100)
+        ("triton_poi_fused__scaled_mm__to_copy_add_clamp_clone_mul_sub_t_view_15", "fp8_quantize"),
+        ("triton_red_fused__unsafe_view_abs_amax_clone_transpose_view_13", "fp8_quantize"),
+        ("triton_poi_fused__to_copy_add_clamp_mul_sub_3", "fp8_quantize"),
+        ("triton_red_fused__to_copy_add_div_expand_mul_pow_sum_transpose_view_35", "other"),
+        ("triton_poi_fused__unsafe_view_cat_clone_transpose_view_20", "other"),
+        ("triton_per_fused_add_gemm_mean_mul_4", "other"),
     ],
 )
 def test_device_kernel_categories(name, category):

@@ -93,6 +93,12 @@ DEVICE_KERNEL_RULES: Tuple[Tuple[str, Pattern[str]], ...] = (
     _rule("comms", r"nccl"),
     # This project's quantization kernels, by exact name.
     _rule("fp8_quantize", r"^(" + "|".join(PROJECT_QUANTIZE_KERNELS) + r")\b"),
+    # Inductor's generated pointwise and reduction kernels are named after the aten ops fused into
+    # them ("triton_poi_fused__scaled_mm__to_copy_add_clamp_..."): never a GEMM, even when an op
+    # feeding a GEMM is in the name. FP8 quantization where the name holds an amax, a scaled_mm
+    # operand, or a clamp and a dtype cast (the saturating cast); everything else they do is other.
+    _rule("fp8_quantize", r"^triton_(poi|red|per)_fused\w*(amax|_scaled_mm|clamp\w*_to_copy|_to_copy\w*clamp)"),
+    _rule("other", r"^triton_(poi|red|per)_"),
     # Fused attention: flash_fwd_kernel, fmha_cutlassF_*, efficient_attention, cuDNN SDPA. Before
     # the GEMM rules (the names hold "cutlass"); not a dense GEMM that FP8 layers replace.
     _rule("attention", r"flash|fmha|attention|sdpa"),

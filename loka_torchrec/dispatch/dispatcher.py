@@ -67,7 +67,7 @@ def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[Ker
                 backend = get_backend(backend_name)
                 if backend.in_auto and backend.availability(device).ok:
                     out.extend(
-                        KernelChoice(backend_name, r) for r in backend.recipes
+                        KernelChoice(backend_name, r) for r in backend.auto_recipes(device)
                         if not config.compiled or backend.compile_reason(r) is None
                     )
             continue
@@ -221,13 +221,19 @@ class Dispatcher(EvidenceConsumer):
         scalar loss; it must run no collectives (every rank checks on its own; rank 0's plan is
         broadcast). No Parameter's ``.grad`` changes. Call it after a plan is made (a ``policy``
         replan, or at start for a static or pinned plan); the checked plan is applied, saved and
-        returned, and each run and demotion is a ``grad_check`` event.
+        returned, and each run and demotion is a ``grad_check`` event (each with the whole check's
+        wall time, ``check_seconds``, also logged).
         """
+        start = time.perf_counter()
         plan, records = check_plan_gradients(self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db)
         plan = self._annotated(self._broadcast(plan))
+        seconds = time.perf_counter() - start
         for record in records:
-            self._record({"event": "grad_check", "step": step, **record})
+            self._record({"event": "grad_check", "step": step, **record, "check_seconds": seconds})
         demoted = sum(r["kind"] == "demote" for r in records)
+        if self._rank() == 0:
+            logger.info("dispatch: gradient check at step %d took %.1f s (%d plan run(s), %d demotion(s))",
+                        step, seconds, len(records) - demoted, demoted)  # fmt: skip
         if demoted and self._rank() == 0:
             logger.warning("dispatch: gradient check at step %d sent %d FP8 GEMM(s) back to bf16 (worst weight gradient %.1f dB)",
                            step, demoted, records[-1]["worst_db_after"])  # fmt: skip

@@ -12,6 +12,14 @@ operand layout of each role):
 A backend may name a variant of a granularity for a different GEMM kernel (``triton_rowwise``:
 FBGEMM's Triton kernel on rowwise operands); :data:`RECIPE_GRANULARITY` maps every name to its
 operand granularity.
+
+**Fast accumulation.** Every recipe name has a ``_fast_accum`` twin (``tensorwise_fast_accum``):
+the same operands, but the GEMM keeps its partial sums in the tensor cores' own accumulator
+instead of promoting them to float32 every few K steps (``use_fast_accum`` of
+``torch._scaled_mm`` and FBGEMM, the opposite of Transformer Engine's ``split_accumulator``).
+On Hopper GPUs that is the faster GEMM, and its error grows with K; Dispatch measures both and
+keeps the fast one only where the Probe's accuracy bar holds. A backend lists the twins it
+implements in its ``recipes``.
 """
 
 from __future__ import annotations
@@ -22,17 +30,40 @@ from typing import Optional, Tuple
 from loka_torchrec.evidence import GemmRole
 from loka_torchrec.fp8 import Fp8Format, Granularity
 
-__all__ = ["OperandSpec", "GemmRecipe", "FP8_RECIPE_NAMES", "RECIPE_GRANULARITY", "recipe_for"]
+__all__ = [
+    "OperandSpec",
+    "GemmRecipe",
+    "FAST_ACCUM_SUFFIX",
+    "FP8_RECIPE_NAMES",
+    "RECIPE_GRANULARITY",
+    "recipe_for",
+    "split_fast_accum",
+]
 
-RECIPE_GRANULARITY = {
+FAST_ACCUM_SUFFIX = "_fast_accum"
+"""Appended to a recipe name: the same recipe with fast (unpromoted) accumulation."""
+
+_BASE_GRANULARITY = {
     "tensorwise": Granularity.TENSORWISE,
     "rowwise": Granularity.ROWWISE,
     "blockwise": Granularity.BLOCKWISE,
     "triton_rowwise": Granularity.ROWWISE,
 }
+
+RECIPE_GRANULARITY = {
+    **_BASE_GRANULARITY,
+    **{name + FAST_ACCUM_SUFFIX: granularity for name, granularity in _BASE_GRANULARITY.items()},
+}
 """Every FP8 recipe name a backend may declare, and the operand granularity it stands for."""
 
 FP8_RECIPE_NAMES = tuple(RECIPE_GRANULARITY)
+
+
+def split_fast_accum(name: str) -> Tuple[str, bool]:
+    """``("rowwise", True)`` for ``"rowwise_fast_accum"``, ``("rowwise", False)`` for ``"rowwise"``."""
+    if name.endswith(FAST_ACCUM_SUFFIX):
+        return name[: -len(FAST_ACCUM_SUFFIX)], True
+    return name, False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +85,11 @@ class GemmRecipe:
     b: OperandSpec
     fast_accum: bool = False
 
+    @property
+    def base(self) -> str:
+        """The recipe name without its fast-accumulation suffix: what selects a backend's kernel."""
+        return split_fast_accum(self.name)[0]
+
 
 def recipe_for(
     name: str,
@@ -63,7 +99,10 @@ def recipe_for(
     power_of_two: bool = False,
     fast_accum: bool = False,
 ) -> GemmRecipe:
-    """The :class:`GemmRecipe` that recipe ``name`` uses for ``role``."""
+    """The :class:`GemmRecipe` that recipe ``name`` uses for ``role``.
+
+    A ``_fast_accum`` name (or ``fast_accum=True``) gives the recipe with fast accumulation.
+    """
     role = GemmRole(role)
     if name not in FP8_RECIPE_NAMES:
         raise ValueError(f"recipe: unknown FP8 recipe {name!r}; expected one of {', '.join(FP8_RECIPE_NAMES)}")
@@ -78,5 +117,5 @@ def recipe_for(
         name=name,
         a=OperandSpec(a_fmt, granularity, act_block, power_of_two),
         b=OperandSpec(Fp8Format.E4M3, granularity, b_block, power_of_two),
-        fast_accum=fast_accum,
+        fast_accum=fast_accum or split_fast_accum(name)[1],
     )

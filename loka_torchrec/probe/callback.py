@@ -99,7 +99,7 @@ def default_candidates(device: "torch.device | str") -> Dict[GemmRole, List[Kern
             continue
         backend = get_backend(name)
         if backend.in_auto and backend.availability(device).ok:
-            choices += [KernelChoice(name, recipe) for recipe in backend.recipes]
+            choices += [KernelChoice(name, recipe) for recipe in backend.auto_recipes(device)]
     return {role: list(choices) for role in _ROLES}
 
 

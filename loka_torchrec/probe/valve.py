@@ -155,7 +155,7 @@ def nonfinite_spread(tensor: str, kernels: Any) -> str:
         choice = kernels.for_role(GemmRole(role))
         if choice.is_high_precision:
             parts.append(f"{role} {choice}: not FP8-scaled")
-        elif choice.recipe == "tensorwise":
+        elif choice.recipe.startswith("tensorwise"):  # with or without _fast_accum
             parts.append(f"{role} {choice}: one scale for the whole operand, so the whole {_PRODUCT[role]} turns NaN")
         else:
             parts.append(f"{role} {choice}: {choice.recipe} scales, so NaN stays within the {_PRODUCT[role]} entries its scaling group feeds")

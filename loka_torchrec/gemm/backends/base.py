@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec
+from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec, split_fast_accum
 from loka_torchrec.evidence import GemmShape
 
 __all__ = [
@@ -81,6 +81,17 @@ class GemmBackend(abc.ABC):
     def _probe(self, device: torch.device) -> Availability:
         """Backend-specific availability check; the default says yes."""
         return Availability(True)
+
+    def auto_recipes(self, device: "torch.device | str") -> Tuple[str, ...]:
+        """The recipes ``candidates: [auto]`` offers on ``device``.
+
+        All of :attr:`recipes`, except the ``_fast_accum`` twins off CUDA: fast accumulation is a
+        tensor-core mode, and elsewhere the twin runs the same kernel as its base recipe, so
+        measuring it would only double the planning work.
+        """
+        if torch.device(device).type == "cuda":
+            return self.recipes
+        return tuple(r for r in self.recipes if not split_fast_accum(r)[1])
 
     def alignment(self, device: "torch.device | str") -> int:
         """Required multiple for ``K`` and ``N`` on ``device`` (1 = no constraint)."""

@@ -6,6 +6,7 @@ Recipes:
   per-row dequantization scale in one kernel; ``torch.ops.fbgemm.f8f8bf16_rowwise(xq, wq, x_scale,
   w_scale, use_fast_accum=...)`` multiplies ``xq (M, K)`` by ``wq (N, K)^T`` into bf16. Both
   operands must be E4M3 (so gradients too: ``grad_format="e4m3"``, the recipes' default).
+  ``rowwise_fast_accum`` is the same GEMM with ``use_fast_accum=True``.
 * ``triton_rowwise``: FBGEMM's Triton kernel
   ``fbgemm_gpu.experimental.gemm.triton_gemm.fp8_gemm.matmul_fp8_row(a, b, a_scale, b_scale, ...)``,
   same operands (``a`` may also be E5M2). Its default TMA-persistent mode fails on Triton 3.6
@@ -67,9 +68,9 @@ def _matmul_fp8_row():
 @register_backend
 class FbgemmBackend(GemmBackend):
     name = "fbgemm"
-    recipes = ("rowwise", "triton_rowwise")
+    recipes = ("rowwise", "triton_rowwise", "rowwise_fast_accum")
     devices = ("cuda",)
-    compile_recipes = ("rowwise",)
+    compile_recipes = ("rowwise", "rowwise_fast_accum")
     fused_quantize = True
 
     def __init__(self) -> None:
@@ -130,7 +131,7 @@ class FbgemmBackend(GemmBackend):
             return "fbgemm: both operands must be rowwise-scaled"
         if recipe.b.fmt != Fp8Format.E4M3:
             return f"fbgemm: the B operand must be e4m3, got {recipe.b.fmt.value}"
-        if recipe.name == "rowwise" and recipe.a.fmt != Fp8Format.E4M3:
+        if recipe.base == "rowwise" and recipe.a.fmt != Fp8Format.E4M3:
             return f"fbgemm:rowwise (CUTLASS) takes e4m3 operands only, got A in {recipe.a.fmt.value}; use grad_format=e4m3 or fbgemm:triton_rowwise"
         if recipe.name == "triton_rowwise":
             mode = self._triton_mode(torch.device(device))
@@ -163,7 +164,7 @@ class FbgemmBackend(GemmBackend):
             if isinstance(mode, str):
                 raise RuntimeError(mode)
             out = _matmul_fp8_row()(a_data, b_data, a_scale, b_scale, fp8_fast_accum=recipe.fast_accum, **mode)
-        elif recipe.name == "rowwise":
+        elif recipe.base == "rowwise":
             out = torch.ops.fbgemm.f8f8bf16_rowwise(a_data, b_data, a_scale, b_scale, use_fast_accum=recipe.fast_accum)
         else:
             raise ValueError(f"fbgemm has no recipe {recipe.name!r} (has: {', '.join(self.recipes)})")

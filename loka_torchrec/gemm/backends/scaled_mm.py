@@ -4,7 +4,7 @@ It runs on CUDA GPUs of compute capability 8.9 and newer, and on the CPU from to
 ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)`` wants ``a`` row-major ``(M, K)``,
 ``b`` column-major ``(K, N)`` (so we pass ``B.t()`` of a row-major ``(N, K)`` operand), and fp32
 *dequantization* scales: ``()`` for tensorwise, ``(M, 1)`` and ``(1, N)`` for rowwise. On CUDA, K
-and N must be multiples of 16, and rowwise scaling needs a bfloat16 output.
+and N must be multiples of 16, and rowwise scaling needs a bfloat16 output. The ``_fast_accum`` recipes pass ``use_fast_accum``.
 
 Operands are quantized by :mod:`~loka_torchrec.gemm.backends.operand_quantize`: the fused
 Triton kernel on the GPU, eager torch ops on the CPU.
@@ -27,9 +27,9 @@ __all__ = ["ScaledMMBackend"]
 @register_backend
 class ScaledMMBackend(GemmBackend):
     name = "scaled_mm"
-    recipes = ("tensorwise", "rowwise")
+    recipes = ("tensorwise", "rowwise", "tensorwise_fast_accum", "rowwise_fast_accum")
     devices = ("cpu", "cuda")
-    compile_recipes = ("tensorwise", "rowwise")
+    compile_recipes = recipes
 
     def _probe(self, device: torch.device) -> Availability:
         if not hasattr(torch, "_scaled_mm"):

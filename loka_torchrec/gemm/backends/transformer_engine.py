@@ -10,7 +10,7 @@ The GEMM is ``transformer_engine.pytorch.cpp_extensions.general_gemm``. TE write
 column-major terms: ``general_gemm(W, X, layout="TN")`` returns ``X @ W^T``, so ``A @ B^T`` is
 ``general_gemm(B, A)``. Operands are quantized row-wise only (no transposed copy), which is the
 layout the FP8 "TN" GEMM reads. Without ``fast_accum`` the split accumulator (periodic promotion
-to fp32) is used. K and N must be multiples of 16. Written against TE 2.12; keyword arguments
+to fp32) is used; ``tensorwise_fast_accum`` turns it off. K and N must be multiples of 16. Written against TE 2.12; keyword arguments
 whose presence differs between releases (the ``workspace`` argument) are looked up, not assumed.
 """
 
@@ -59,7 +59,7 @@ def _te_modules() -> Dict[str, Any]:
 @register_backend
 class TransformerEngineBackend(GemmBackend):
     name = "te"
-    recipes = ("tensorwise", "blockwise")
+    recipes = ("tensorwise", "blockwise", "tensorwise_fast_accum")
     devices = ("cuda",)
     fused_quantize = False  # current scaling is an amax kernel, then a cast kernel
 
@@ -99,7 +99,7 @@ class TransformerEngineBackend(GemmBackend):
         reason = super().check(recipe, shape, device)
         if reason is not None:
             return reason
-        if recipe.name == "blockwise":
+        if recipe.base == "blockwise":
             if self._modules()["block"] is None:
                 return "te: this Transformer Engine has no Float8BlockQuantizer (blockwise FP8)"
             major, minor = torch.cuda.get_device_capability(torch.device(device))
