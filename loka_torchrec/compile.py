@@ -38,7 +38,16 @@ try:  # TorchRec's awaitable, resolved before a compiled module runs; the librar
 except ImportError:  # no TorchRec: nothing to wait for
     LazyAwaitable = None
 
-__all__ = ["COMPILE_MODES", "compile_dense", "dense_modules", "eager", "resolve_awaitables", "resolve_compile_mode"]
+__all__ = [
+    "COMPILE_MODES",
+    "compile_dense",
+    "dense_modules",
+    "eager",
+    "end_compiled_step",
+    "resolve_awaitables",
+    "resolve_compile_mode",
+    "uses_cuda_graphs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +169,25 @@ def resolve_awaitables(args: Tuple) -> Tuple:
             a = a._result
         out.append(a)
     return tuple(out)
+
+
+def uses_cuda_graphs(mode: Optional[str]) -> bool:
+    """Whether compiled modules of ``mode`` (a resolved mode, ``None``: eager) replay CUDA graphs."""
+    return mode == "reduce-overhead"
+
+
+def end_compiled_step() -> None:
+    """Tell Inductor's CUDA graphs that a training step ended (call it after the optimizer step).
+
+    Under ``reduce-overhead`` the compiled forward and backward replay CUDA graphs whose outputs
+    and saved activations live in one memory pool, reused from the next training step on. Inductor
+    guesses where a step ends (a forward once every backward ran); where the guess fails, for
+    example when the backward of a compiled module does not replay a graph, every step records new
+    graphs and keeps the previous step's memory, so the step slows down and memory grows until it
+    runs out. ``torch.compiler.cudagraph_mark_step_begin`` says it instead; an output of an earlier
+    step read afterwards raises an error rather than returning overwritten values.
+    """
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 @contextlib.contextmanager

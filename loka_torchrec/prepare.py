@@ -39,7 +39,7 @@ from loka_torchrec.comms.auto import decide as decide_comms_precision
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.sharders import model_embedding_dims
 from loka_torchrec.comms.sharders import sharders as comms_sharders
-from loka_torchrec.compile import compile_dense, dense_modules, eager, resolve_compile_mode
+from loka_torchrec.compile import compile_dense, dense_modules, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.dense_inputs import DenseInputs
 from loka_torchrec.probe import ProbeCallback
@@ -67,6 +67,9 @@ class Loka:
             and times (see :func:`prepare`).
         dense_inputs: with ``dispatch.grad_check`` under a ``policy`` plan, the dense modules'
             inputs recorded until the first FP8 plan is checked (then ``None``).
+        cuda_graphs: the compiled modules replay CUDA graphs (``compile="reduce-overhead"``):
+            :meth:`step_end` marks the end of each step for them
+            (:func:`~loka_torchrec.compile.end_compiled_step`).
     """
 
     config: LokaConfig
@@ -79,6 +82,7 @@ class Loka:
     batch_size: Optional[int] = None
     embedding_dims: List[int] = dataclasses.field(default_factory=list)
     dense_inputs: Optional[DenseInputs] = None
+    cuda_graphs: bool = False
     _started: bool = False
     _last_step_end: Optional[float] = None
     _comms_restored: bool = False
@@ -199,7 +203,9 @@ class Loka:
         """Report the end of training step ``step`` (numbered from 1): the Probe merges and plans
         when due, Dispatch plans from random evidence when due, and ``step_ms`` (the step's wall
         time, if known) goes to the step-time guard. :meth:`step` calls it for you. ``"auto"``
-        comms not decided yet are decided here (from the next step on; see :meth:`decide_comms`)."""
+        comms not decided yet are decided here (from the next step on; see :meth:`decide_comms`).
+        Call it after the optimizer step: under CUDA graphs it also ends the step for them, and
+        the step's compiled outputs must not be read after it."""
         self.start()
         self.decide_comms()
         plan = self.dispatcher.plan
@@ -214,6 +220,8 @@ class Loka:
         self._record_dense_inputs(step + 1)
         if step_ms is not None:
             self.dispatcher.observe_step_time(step, step_ms)
+        if self.cuda_graphs:
+            end_compiled_step()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -340,7 +348,7 @@ def prepare(
         config, report, probe, compiled,
         comms_selection=CommsSelection() if config.comms.auto else None,
         run_dir=run_dir, process_group=process_group, batch_size=batch_size,
-        embedding_dims=model_embedding_dims(model),
+        embedding_dims=model_embedding_dims(model), cuda_graphs=uses_cuda_graphs(mode),
         dense_inputs=DenseInputs({n: model.get_submodule(n) for n in dense_modules(model)})
         if config.dispatch.grad_check and config.dispatch.mode == "policy" else None,
     )  # fmt: skip

@@ -192,3 +192,17 @@ def test_compile_settings_are_checked():
         compile_dense(_mlp(), "auto")
     with pytest.raises(ValueError, match="compile_dense: modules: no submodule 'nope'"):
         compile_dense(_mlp(), "default", modules=["nope"])
+
+
+@pytest.mark.parametrize("mode, marks", [("reduce-overhead", 2), ("default", 0), ("none", 0)])
+def test_step_end_ends_the_step_for_cuda_graphs(mode, marks, monkeypatch, tmp_path):
+    """Under CUDA graphs every step's end is marked (else Inductor may keep each step's graph memory)."""
+    calls = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append(1))
+    model = nn.ModuleDict({"over_arch": _mlp(), "tables": nn.EmbeddingBag(10, 4)})
+    config = loka_torchrec.LokaConfig.from_dict({"enabled": True, "probe": {"enabled": False}})
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), compile=mode, device="cpu")
+    assert loka.cuda_graphs == (mode == "reduce-overhead")
+    loka.step_end(1)
+    loka.step_end(2)
+    assert len(calls) == marks

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loka_job.baselines import BaselineConfig
-from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
+from loka_torchrec.compile import compile_dense, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
@@ -445,6 +445,8 @@ class Trainer:
                 self.train_metrics.update(logits, labels)
             if self.loka is not None:
                 self.loka.step_end(step)  # step times go to the guard below, profiled steps left out
+            elif uses_cuda_graphs(self.compile_mode):
+                end_compiled_step()  # Loka.step_end does it when LoKA is on
             self._show_plan_if_new(bar)
             if cuda and (cfg.step_sync or step in (cfg.timing_start, cfg.steps)):
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
