@@ -464,6 +464,8 @@ class Trainer:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
                 recent = sorted(step_times[-cfg.log_every:])  # empty when every step so far was profiled
                 record["step_time_ms"] = 1e3 * recent[len(recent) // 2] if recent else float("nan")
+                if cuda:  # memory that grows from log to log is a leak; its peak is in the run summary
+                    record["gpu_mem_gib"] = torch.cuda.memory_allocated(self.ctx.device) / 2**30
                 self._log(record)
                 self.train_metrics.reset()
                 if bar is not None:
