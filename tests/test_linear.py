@@ -591,6 +591,41 @@ def test_torch_compile_aot_eager_matches_eager():
     torch._dynamo.reset()
 
 
+# amax ops in the compiled forward / backward graphs. Tensorwise: x and W / dy (W^T and the
+# transposed operands are the forward's and grad-input's FP8 bytes transposed). Rowwise: x, W and
+# x^T (grad-weight's B) / dy, dy^T and W^T (a row of W^T is a column of W: quantized again).
+@pytest.mark.parametrize("choice, fwd_amaxes, bwd_amaxes", [("scaled_mm:tensorwise", 2, 1), ("scaled_mm:rowwise", 3, 3)])
+def test_compiled_backward_reuses_the_forward_fp8_weight(choice, fwd_amaxes, bwd_amaxes):
+    """Compiled, a tensorwise W^T for grad-input is the forward's FP8 W transposed: the backward
+    computes no amax of the weight; rowwise must quantize W^T again."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    amaxes = {}
+
+    def counting(name):
+        def compiler(gm, example_inputs):
+            amaxes[name] = sum(n.target is torch.ops.aten.amax.default for n in gm.graph.nodes)
+            return gm
+
+        return compiler
+
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    layer = LokaLinear(64, 32, bias=False, kernels=kernels_for(choice, "all"))
+    x = torch.randn(16, 64, requires_grad=True)
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=counting("fwd"), bw_compiler=counting("bwd")), fullgraph=True)
+    results = []
+    for m in (layer, compiled):
+        layer.zero_grad()
+        x.grad = None
+        m(x).square().sum().backward()
+        results.append((x.grad.clone(), layer.weight.grad.clone()))
+    torch._dynamo.reset()
+    assert (amaxes["fwd"], amaxes["bwd"]) == (fwd_amaxes, bwd_amaxes)
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=0, atol=0)  # the same FP8 bytes either way
+
+
 # --------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @requires_cuda

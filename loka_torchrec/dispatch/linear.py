@@ -27,6 +27,9 @@ its neighbours (``fullgraph=True``):
   (a backend declares which recipes trace: ``GemmBackend.compile_recipes``);
 * the row count never specializes the graph: padding of the rows (grad-weight's reduction dim)
   is symbolic, so a varying batch (HSTU's jagged tokens) compiles once with a dynamic dim;
+* where grad-input reads the weight with the forward's tensorwise spec, the forward's FP8 weight
+  is transposed and kept for the backward (1 byte per weight element), so the backward reads the
+  high-precision weight neither for an amax nor for a second cast;
 * nothing Python-side changes per call: no weight cache, no counters on the host.
 
 **Eagerly** (probe steps, CPUs, debugging) the layer keeps what saves work between calls:
@@ -300,15 +303,17 @@ def _weight_operand(q: _Quantizer, weight: torch.Tensor, kernel: _RoleKernel, pl
 
 def _forward_gemm(
     q: _Quantizer, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: _LayerPlan,
-    xq: Any = None,
+    xq: Any = None, w_op: Any = None,
 ) -> Tuple[torch.Tensor, Any]:
     """``y (rows, out) = x W^T + b``; also returns the quantized ``x`` (``None`` in high precision).
 
-    ``xq``: ``x`` already quantized for this kernel (:meth:`_Quantizer.paired`), else ``None``.
+    ``xq``: ``x`` already quantized for this kernel (:meth:`_Quantizer.paired`), else ``None``;
+    ``w_op``: the weight operand, else it is made here.
     """
     kernel = plan.fwd
     backend = kernel.backend
-    w_op = _weight_operand(q, weight, kernel, plan, transposed=False)
+    if w_op is None:
+        w_op = _weight_operand(q, weight, kernel, plan, transposed=False)
     if not kernel.fp8:
         y, xq = backend.mm(backend.quantize(x2d), w_op, None, x2d.dtype), None
     else:
@@ -328,6 +333,16 @@ def _crop(t: torch.Tensor, rows, cols: int) -> torch.Tensor:
     if statically_known_true(t.shape[0] == rows) and t.shape[1] == cols:
         return t
     return t[:rows, :cols]
+
+
+def _dgrad_weight_from_forward(plan: _LayerPlan) -> bool:
+    """Whether grad-input's ``W^T`` operand is exactly the forward's FP8 ``W`` transposed (same
+    backend and padding, a transposable spec: tensorwise or transposed tiles)."""
+    fk, dk = plan.fwd, plan.dgrad
+    return (
+        fk.fp8 and dk.fp8 and fk.choice.backend == dk.choice.backend and fk.align == dk.align
+        and _transpose_reusable(fk.recipe.b, dk.recipe.b)
+    )  # fmt: skip
 
 
 def _wgrad_activation(q: _Quantizer, x2d: torch.Tensor, xq: Any, plan: _LayerPlan) -> Tuple[str, Any]:
@@ -351,12 +366,16 @@ def _wgrad_activation(q: _Quantizer, x2d: torch.Tensor, xq: Any, plan: _LayerPla
 
 
 def _grad_input(
-    q: _Quantizer, dy2d: torch.Tensor, weight: torch.Tensor, plan: _LayerPlan, out_dtype: torch.dtype, dyq: Any = None
+    q: _Quantizer, dy2d: torch.Tensor, weight: torch.Tensor, plan: _LayerPlan, out_dtype: torch.dtype, dyq: Any = None,
+    w_op: Any = None,
 ) -> Tuple[torch.Tensor, Any]:
-    """``dx (rows, in) = dy W``; also returns the quantized ``dy`` (``None`` in high precision)."""
+    """``dx (rows, in) = dy W``; also returns the quantized ``dy`` (``None`` in high precision).
+
+    ``w_op``: the ``W^T`` operand kept from the forward, else it is made here."""
     kernel = plan.dgrad
     backend = kernel.backend
-    w_op = _weight_operand(q, weight, kernel, plan, transposed=True)
+    if w_op is None:
+        w_op = _weight_operand(q, weight, kernel, plan, transposed=True)
     if not kernel.fp8:
         return backend.mm(backend.quantize(dy2d), w_op, None, out_dtype), None
     rows = dy2d.shape[0]
@@ -408,7 +427,14 @@ class _LokaLinearFunction(torch.autograd.Function):
         pair = None
         if ctx.needs_input_grad[1]:
             pair = q.paired(x2d, plan.fwd, "a", plan.wgrad, "b", plan.in_features, "input")
-        y, xq = _forward_gemm(q, x2d, weight, bias, plan, xq=None if pair is None else pair[0])
+        w_op = w_t = None
+        if state is None and ctx.needs_input_grad[0] and _dgrad_weight_from_forward(plan):
+            # Compiled: W^T for grad-input is the forward's FP8 W transposed (the eager path gets
+            # the same from its weight cache), one cast of W per step instead of two.
+            w_op = _weight_operand(q, weight, plan.fwd, plan, transposed=False)
+            if isinstance(w_op, Fp8Tensor):
+                w_t = _transpose_fp8(w_op)
+        y, xq = _forward_gemm(q, x2d, weight, bias, plan, xq=None if pair is None else pair[0], w_op=w_op)
         ctx.plan, ctx.state = plan, state
         ctx.x_dtype = x2d.dtype
         ctx.has_bias = bias is not None
@@ -420,9 +446,13 @@ class _LokaLinearFunction(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             ctx.x_mode, x_op = _wgrad_activation(q, x2d, xq, plan)
             x_tensors, ctx.x_meta = _pack_operand(x_op)
+        ctx.w_t_meta, w_t_tensors = None, ()
+        if w_t is not None:
+            w_t_tensors, ctx.w_t_meta = _pack_operand(w_t)
+        ctx.n_x_tensors = len(x_tensors)
         # The weight is saved so that autograd's version check catches an in-place update between
         # forward and backward; it is the Parameter itself, no copy.
-        ctx.save_for_backward(weight, *x_tensors)
+        ctx.save_for_backward(weight, *x_tensors, *w_t_tensors)
         nonfinite = q.total()
         if nonfinite is not None:
             ctx.mark_non_differentiable(nonfinite)
@@ -432,7 +462,9 @@ class _LokaLinearFunction(torch.autograd.Function):
     def backward(ctx, dy2d, _nonfinite_grad):  # type: ignore[override]
         plan = ctx.plan
         q = _Quantizer(ctx.state)
-        weight, *x_tensors = ctx.saved_tensors
+        weight, *saved = ctx.saved_tensors
+        x_tensors, w_t_tensors = saved[: ctx.n_x_tensors], saved[ctx.n_x_tensors :]
+        w_t = None if ctx.w_t_meta is None else _unpack_operand(tuple(w_t_tensors), ctx.w_t_meta)
         grad_x = grad_w = grad_b = None
         dyq = None
         # dy for grad-input and dy^T for grad-weight from one read of dy, where one backend runs both.
@@ -440,7 +472,7 @@ class _LokaLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             pair = q.paired(dy2d, plan.dgrad, "a", plan.wgrad, "a", plan.out_features, "grad_output")
         if ctx.needs_input_grad[0]:
-            grad_x, dyq = _grad_input(q, dy2d, weight, plan, ctx.x_dtype, dyq=None if pair is None else pair[0])
+            grad_x, dyq = _grad_input(q, dy2d, weight, plan, ctx.x_dtype, dyq=None if pair is None else pair[0], w_op=w_t)
         if ctx.needs_input_grad[1]:
             x_op = _unpack_operand(tuple(x_tensors), ctx.x_meta)
             grad_w = _grad_weight(q, dy2d, ctx.x_mode, x_op, dyq, plan, weight.dtype, dytq=None if pair is None else pair[1])
