@@ -10,6 +10,11 @@
 #   dense NAME PRESET PLAN [RUNS]     benchmarks/dense_part_step.py: the DHEN dense part's fwd+bwd,
 #                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json) compiled;
 #                                     RUNS: comma-separated (default: all of the script's runs)
+#   job NAME OVERRIDE...              one training job on one GPU with these Hydra overrides (e.g.
+#                                     model=dhen_xl device=cuda train.compile=reduce-overhead
+#                                     train.log_every=5: its log has gpu_mem_gib per log step); set
+#                                     TORCH_LOGS (e.g. cudagraphs) to see why graphs re-record; its
+#                                     run folder and output in one tarball
 #
 # Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100), E2E_OVERRIDES
 # (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"),
@@ -21,7 +26,7 @@ OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # one job per GPU must not take every host core
-stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN [RUNS]}
+stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN [RUNS] | job NAME OVERRIDE...}
 DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
 WORK=$(mktemp -d /tmp/loka-bench.XXXXXX)
@@ -62,8 +67,19 @@ case $stage in
     grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
     cp "$WORK/$name.log" "$OUT/$name.log"
     ;;
+  job)
+    name=${2:?job NAME OVERRIDE...}; shift 2
+    mkdir -p "$WORK/runs/$name"
+    ( cd "$WORK/runs/$name" && LOKA_RUN_DIR="$WORK/runs/$name" timeout $(( $(left) - 15 )) \
+        python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m loka_job.train train.progress_bar=false "$@" ) \
+      > "$WORK/$name.log" 2>&1
+    echo "=== job $name: rc=$?"
+    grep -h "step=\|Error\|re-record\|rerecord\|skipping cudagraphs" "$WORK/$name.log" "$WORK/runs/$name/rank0/train.log" 2>/dev/null \
+      | cut -c1-300 | tail -n 40
+    tar -czf "$OUT/$name-runs.tar.gz" -C "$WORK" --exclude='site' runs "$name.log" 2>/dev/null
+    ;;
   *)
-    echo "device_benchmarks.sh: unknown stage $stage (gpu_tests | e2e | dense)" >&2
+    echo "device_benchmarks.sh: unknown stage $stage (gpu_tests | e2e | dense | job)" >&2
     exit 2
     ;;
 esac
