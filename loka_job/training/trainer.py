@@ -26,6 +26,7 @@ from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint
 from loka_job.training.distributed import DistContext
+from loka_job.training.memory_trend import MemoryTrend
 from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.profiling import StepProfiler, profile_summary
 
@@ -377,6 +378,7 @@ class Trainer:
         self.start_step = 0
         self.history: list = []
         self.nonfinite = NonFiniteSteps(train_config.max_nonfinite_steps)  # skipped steps (resumed too)
+        self.memory_trend = MemoryTrend()  # GPU memory that grows at every step: warned once
         self.last_checkpoint: Optional[str] = None
         if train_config.resume:
             self._resume(train_config.resume)
@@ -460,6 +462,10 @@ class Trainer:
                 timed_steps.append(step)
                 if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
                     self.loka.dispatcher.observe_step_time(step, 1e3 * seconds)
+            if cuda:  # a host-side counter: no synchronization
+                growing = self.memory_trend.observe(step, torch.cuda.memory_allocated(self.ctx.device) / 2**30)
+                if growing is not None:
+                    logger.warning("train: %s", growing)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
                 recent = sorted(step_times[-cfg.log_every:])  # empty when every step so far was profiled
