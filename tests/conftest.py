@@ -30,6 +30,32 @@ LONGEST_FIRST = (
 )
 
 
+# Modules whose tests share an expensive module-scoped fixture (a 2-rank job, a subprocess, a
+# reference run): pytest-xdist runs each of them on one worker, so that the fixture runs once.
+SHARED_FIXTURE_MODULES = (
+    "tests/test_comms_distributed.py",  # ranks: the 2-rank DMP job
+    "tests/test_comms_kernel.py",  # interpreted: the Triton interpreter's subprocess
+    "tests/test_faults.py",  # uninterrupted: the reference run
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no-op without it
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (``--dist load``): tests are handed out one at a time, except those of
+    :data:`SHARED_FIXTURE_MODULES`, handed out a module at a time. (``--dist loadgroup`` with
+    ``xdist_group`` marks would do it, but pytest-xdist 3.8 cannot rename pytest 9's test ids.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist: pytest-xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_FIXTURE_MODULES else nodeid
+
+    return Scheduling(config, log)
+
+
 def _start_rank(item) -> int:
     """Where ``item`` starts: its place in :data:`LONGEST_FIRST`, or after all of them."""
     return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))

@@ -470,10 +470,6 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
 
 import pytest  # noqa: E402
 
-# Every test reads the one 2-rank job of the ``ranks`` fixture: under pytest-xdist they run on one
-# worker, so that the job runs once.
-pytestmark = pytest.mark.xdist_group("comms_distributed_ranks")
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):

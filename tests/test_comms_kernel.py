@@ -66,11 +66,6 @@ print("RESULTS" + json.dumps(results))
 """
 
 
-# The interpreted tests read the one subprocess of the ``interpreted`` fixture: under pytest-xdist
-# the module runs on one worker, so that the subprocess runs once.
-pytestmark = pytest.mark.xdist_group("comms_kernel_interpreted")
-
-
 @pytest.fixture(scope="module")
 def interpreted():
     if not wire.HAS_TRITON:

@@ -67,12 +67,7 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-# The tests that read ``uninterrupted`` run on one pytest-xdist worker, so that its run happens once.
-uses_uninterrupted = pytest.mark.xdist_group("faults_uninterrupted")
-
-
 @pytest.mark.slow
-@uses_uninterrupted
 def test_a_run_killed_between_steps_resumes_to_the_same_result(uninterrupted, tmp_path):
     killed = tmp_path / "killed"
     proc = job(killed, "train.steps=12", "train.checkpoint_every=4", fault="kill:10", expect_ok=False)
@@ -89,7 +84,6 @@ def test_a_run_killed_between_steps_resumes_to_the_same_result(uninterrupted, tm
 
 
 @pytest.mark.slow
-@uses_uninterrupted
 def test_a_damaged_newest_checkpoint_is_named_and_the_resume_falls_back(uninterrupted, tmp_path):
     import shutil
 
