@@ -6,7 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.loka-env-v2"
+stamp="$venv/.loka-env-v3"
 if [ -f "$stamp" ] && "$venv/bin/python" -c "import torchrec, loka_torchrec, loka_job.recipes" 2>/dev/null; then
   exit 0
 fi
@@ -20,6 +20,6 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" tensordict pyre-extensions torchmetrics==1.0.3 iopath tqdm
 # The project's other requirements and [dev] extras, then the project itself with --no-deps:
 # letting pip resolve `torchrec` again would pull the CUDA fbgemm-gpu back in.
-"${pip[@]}" "hydra-core>=1.3,<1.4" "omegaconf>=2.3" rich numpy pytest hypothesis scipy matplotlib triton
+"${pip[@]}" "hydra-core>=1.3,<1.4" "omegaconf>=2.3" rich numpy pytest pytest-xdist hypothesis scipy matplotlib triton
 "${pip[@]}" --no-deps -e "$root"
 touch "$stamp"

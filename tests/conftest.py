@@ -13,7 +13,56 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+# The longest tests (CPU seconds on 2 CI cores with cold caches, longest first), run first: pytest-xdist
+# hands tests out in collection order, so that the two workers end together instead of one worker
+# starting a minute-long job when the other has nothing left. A test's position does not change what it asserts.
+LONGEST_FIRST = (
+    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 170 + 120 s compiled
+    "tests/test_compile.py",  # 110 s, Inductor
+    "tests/test_faults.py",  # 75 s, 11 runs of the entry point
+    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 45 s
+    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",
+    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",
+    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",
+    "tests/test_train_job.py",  # 130 s, the other runs of the entry point
+    "tests/test_models_dmp.py",
+    "tests/test_torchrec_example.py",
+)
+
+
+# Modules whose tests share an expensive module-scoped fixture (a 2-rank job, a subprocess, a
+# reference run): pytest-xdist runs each of them on one worker, so that the fixture runs once.
+SHARED_FIXTURE_MODULES = (
+    "tests/test_comms_distributed.py",  # ranks: the 2-rank DMP job
+    "tests/test_comms_kernel.py",  # interpreted: the Triton interpreter's subprocess
+    "tests/test_faults.py",  # uninterrupted: the reference run
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no-op without it
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (``--dist load``): tests are handed out one at a time, except those of
+    :data:`SHARED_FIXTURE_MODULES`, handed out a module at a time. (``--dist loadgroup`` with
+    ``xdist_group`` marks would do it, but pytest-xdist 3.8 cannot rename pytest 9's test ids.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist: pytest-xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_FIXTURE_MODULES else nodeid
+
+    return Scheduling(config, log)
+
+
+def _start_rank(item) -> int:
+    """Where ``item`` starts: its place in :data:`LONGEST_FIRST`, or after all of them."""
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_start_rank)  # stable: collection order within each rank
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (on the GPU machine: bash scripts/device_benchmarks.sh gpu_tests)")
