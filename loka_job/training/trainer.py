@@ -462,16 +462,17 @@ class Trainer:
                 timed_steps.append(step)
                 if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
                     self.loka.dispatcher.observe_step_time(step, 1e3 * seconds)
-            if cuda:  # a host-side counter: no synchronization
-                growing = self.memory_trend.observe(step, torch.cuda.memory_allocated(self.ctx.device) / 2**30)
+            allocated_gib = torch.cuda.memory_allocated(self.ctx.device) / 2**30 if cuda else None  # host-side: no sync
+            if allocated_gib is not None:
+                growing = self.memory_trend.observe(step, allocated_gib)
                 if growing is not None:
                     logger.warning("train: %s", growing)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 record = {"step": step, "loss": float(loss), **{f"train/{k}": v for k, v in self.train_metrics.compute().items()}}
                 recent = sorted(step_times[-cfg.log_every:])  # empty when every step so far was profiled
                 record["step_time_ms"] = 1e3 * recent[len(recent) // 2] if recent else float("nan")
-                if cuda:  # memory that grows from log to log is a leak; its peak is in the run summary
-                    record["gpu_mem_gib"] = torch.cuda.memory_allocated(self.ctx.device) / 2**30
+                if allocated_gib is not None:  # its peak is in the run summary
+                    record["gpu_mem_gib"] = allocated_gib
                 self._log(record)
                 self.train_metrics.reset()
                 if bar is not None:

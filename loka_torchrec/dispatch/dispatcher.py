@@ -234,7 +234,7 @@ class Dispatcher(EvidenceConsumer):
         if self._rank() == 0:
             logger.info("dispatch: gradient check at step %d took %.1f s (%d plan run(s), %d demotion(s))",
                         step, seconds, len(records) - demoted, demoted)  # fmt: skip
-        if demoted and self._rank() == 0:
+        if self._rank() == 0 and demoted:
             logger.warning("dispatch: gradient check at step %d sent %d FP8 GEMM(s) back to bf16 (worst weight gradient %.1f dB)",
                            step, demoted, records[-1]["worst_db_after"])  # fmt: skip
         self.plan = plan

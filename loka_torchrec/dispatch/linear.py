@@ -335,13 +335,13 @@ def _crop(t: torch.Tensor, rows, cols: int) -> torch.Tensor:
     return t[:rows, :cols]
 
 
-def _dgrad_weight_from_forward(plan: _LayerPlan) -> bool:
-    """Whether grad-input's ``W^T`` operand is exactly the forward's FP8 ``W`` transposed (same
-    backend and padding, a transposable spec: tensorwise or transposed tiles)."""
-    fk, dk = plan.fwd, plan.dgrad
+def _reuses_transposed(src: _RoleKernel, src_operand: str, dst: _RoleKernel, dst_operand: str) -> bool:
+    """Whether ``dst``'s ``dst_operand`` (``"a"``/``"b"``) is exactly ``src``'s ``src_operand``
+    quantized, transposed: both FP8 on one backend with the same padding, and a transposable spec
+    (tensorwise, or tiles that are each other's transpose)."""
     return (
-        fk.fp8 and dk.fp8 and fk.choice.backend == dk.choice.backend and fk.align == dk.align
-        and _transpose_reusable(fk.recipe.b, dk.recipe.b)
+        src.fp8 and dst.fp8 and src.choice.backend == dst.choice.backend and src.align == dst.align
+        and _transpose_reusable(getattr(src.recipe, src_operand), getattr(dst.recipe, dst_operand))
     )  # fmt: skip
 
 
@@ -355,12 +355,7 @@ def _wgrad_activation(q: _Quantizer, x2d: torch.Tensor, xq: Any, plan: _LayerPla
     if not wk.fp8:
         return "hp", x2d
     shape = (wk.padded(plan.in_features), wk.padded(x2d.shape[0]))  # x^T: (N, K) of grad-weight
-    if (
-        isinstance(xq, Fp8Tensor)
-        and fk.choice.backend == wk.choice.backend
-        and fk.align == wk.align
-        and _transpose_reusable(fk.recipe.a, wk.recipe.b)
-    ):
+    if isinstance(xq, Fp8Tensor) and _reuses_transposed(fk, "a", wk, "b"):
         return "transpose", xq
     return "operand", q(wk, _pad2d(x2d.t(), *shape), wk.recipe.b, "input^T")
 
@@ -398,12 +393,7 @@ def _grad_weight(
     shape = (wk.padded(plan.out_features), wk.padded(dy2d.shape[0]))  # dy^T: (M, K) of grad-weight
     if dytq is not None:
         a = dytq
-    elif (
-        isinstance(dyq, Fp8Tensor)
-        and dk.choice.backend == wk.choice.backend
-        and dk.align == wk.align
-        and _transpose_reusable(dk.recipe.a, wk.recipe.a)
-    ):
+    elif isinstance(dyq, Fp8Tensor) and _reuses_transposed(dk, "a", wk, "a"):
         a = _transpose_fp8(dyq)
     else:
         a = q(wk, _pad2d(dy2d.t(), *shape), wk.recipe.a, "grad_output^T")
@@ -428,7 +418,7 @@ class _LokaLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             pair = q.paired(x2d, plan.fwd, "a", plan.wgrad, "b", plan.in_features, "input")
         w_op = w_t = None
-        if state is None and ctx.needs_input_grad[0] and _dgrad_weight_from_forward(plan):
+        if state is None and ctx.needs_input_grad[0] and _reuses_transposed(plan.fwd, "b", plan.dgrad, "b"):
             # Compiled: W^T for grad-input is the forward's FP8 W transposed (the eager path gets
             # the same from its weight cache), one cast of W per step instead of two.
             w_op = _weight_operand(q, weight, plan.fwd, plan, transposed=False)

@@ -26,6 +26,8 @@ import math
 from typing import Any, Dict, List, Mapping, Optional
 
 from loka_torchrec.evidence import GemmRole
+from loka_torchrec.fp8 import Granularity
+from loka_torchrec.gemm.recipes import RECIPE_GRANULARITY
 from loka_torchrec.probe.config import ProbeConfig
 
 __all__ = ["Trigger", "check_shift", "describe", "nonfinite_spread", "NOISE_Z"]
@@ -155,7 +157,7 @@ def nonfinite_spread(tensor: str, kernels: Any) -> str:
         choice = kernels.for_role(GemmRole(role))
         if choice.is_high_precision:
             parts.append(f"{role} {choice}: not FP8-scaled")
-        elif choice.recipe.startswith("tensorwise"):  # with or without _fast_accum
+        elif RECIPE_GRANULARITY.get(choice.recipe) == Granularity.TENSORWISE:
             parts.append(f"{role} {choice}: one scale for the whole operand, so the whole {_PRODUCT[role]} turns NaN")
         else:
             parts.append(f"{role} {choice}: {choice.recipe} scales, so NaN stays within the {_PRODUCT[role]} entries its scaling group feeds")
