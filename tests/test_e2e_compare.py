@@ -96,6 +96,12 @@ def test_aggregate_pairs_ne_by_seed():
     assert rows["loka"]["speedup_vs_bf16"] == pytest.approx(11.0 / 8.0)
     assert rows["bf16"]["ne_seed_spread_pct"] == pytest.approx(100 * 0.01414214 / 0.81, rel=1e-4)
     assert rows["te"]["status"] == "skipped" and rows["te"]["reasons"] == ["no TE"] and rows["te"]["eval_ne"] is None
+    # Without eager bf16, NE is paired with bf16_compile of the same seed; eager bf16 wins when both ran.
+    compiled = [rec("bf16_compile", 0, 0.90, 9.0), rec("bf16_compile", 1, 0.82, 9.0)]
+    rows = {r["run"]: r for r in e2e.aggregate(records[2:4] + compiled, ["r"], ["loka"])}
+    assert rows["loka"]["ne_vs_bf16_pct_range"] == pytest.approx([-10.222222, 0.0])
+    rows = {r["run"]: r for r in e2e.aggregate(records + compiled, ["r"], ["loka"])}
+    assert rows["loka"]["ne_vs_bf16_pct_range"] == pytest.approx([0.0, 1.0])
 
 
 @pytest.mark.slow

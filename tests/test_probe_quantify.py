@@ -11,7 +11,7 @@ from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import choose_error, evaluate_layer
 from loka_torchrec.gemm.intervals import iqr_interval, t_interval, t_quantile_975
-from loka_torchrec.probe.quantify import CandidateError, LayerSnapshot, quantify_errors, reference_gemm
+from loka_torchrec.probe.quantify import CandidateError, LayerSnapshot, quantify_errors, reference_gemm, sampling_noise_power
 from loka_torchrec.probe.reservoir import RowReservoir
 from loka_torchrec.gemm.speed import SpeedCache, time_gemm
 from loka_torchrec.probe.statistics import TensorStatistics
@@ -107,6 +107,63 @@ def test_errors_respect_the_e4m3_bound_on_positive_data():
         assert err.gaussian_sqnr.value > 20.0  # E4M3 with per-element error <= 2u: SQNR well above 20 dB
     # the fp32 baseline on the CPU is essentially exact against the float64 reference
     assert res[(GemmRole.FORWARD, BF16)].gaussian.value < 1e-5
+
+
+def _correlated_rows(n, gen, in_features=6, out_features=4):
+    """Rows whose gradient has a nonzero mean (dy depends on x) and a spread around it."""
+    x = torch.randn(n, in_features, generator=gen, dtype=torch.float64) + 2.0
+    dy = 0.8 * x[:, :out_features] + 0.3 * torch.randn(n, out_features, generator=gen, dtype=torch.float64)
+    return x, dy
+
+
+def test_sampling_noise_power_matches_the_spread_of_fresh_batches():
+    # Truth: the spread of G = dy^T x over 3000 fresh batches of 32 rows from the same distribution.
+    gen = torch.Generator().manual_seed(3)
+    grads = []
+    for _ in range(3000):
+        x, dy = _correlated_rows(32, gen)
+        grads.append(dy.t() @ x)
+    g = torch.stack(grads)
+    truth = float(((g - g.mean(0)) ** 2).sum((1, 2)).mean())
+    x, dy = _correlated_rows(20_000, gen)
+    estimate = sampling_noise_power(x, dy, rows=32)
+    assert estimate == pytest.approx(truth, rel=0.08)
+    # The mean outer product is subtracted: without it the estimate would be far larger.
+    no_mean = 32 * float((x.square().sum(1) * dy.square().sum(1)).mean())
+    assert no_mean > 1.5 * estimate
+    with pytest.raises(ValueError, match="dy: expected 20000 rows"):
+        sampling_noise_power(x, dy[:10], rows=32)
+    with pytest.raises(ValueError, match="x: expected at least 2 rows"):
+        sampling_noise_power(x[:1], dy[:1], rows=32)
+
+
+def _snapshot_with_rows(x, dy):
+    res = RowReservoir(x.shape[1], dy.shape[1], capacity=x.shape[0])
+    act, grad = TensorStatistics(x.shape[1]), TensorStatistics(dy.shape[1])
+    act.update(x), grad.update(dy)
+    res.offer_grads(res.offer_inputs(x), dy)
+    w = torch.randn(dy.shape[1], x.shape[1], generator=torch.Generator().manual_seed(5)) / math.sqrt(x.shape[1])
+    return LayerSnapshot("layer", w, act, grad, None, res, x.shape[0])
+
+
+def test_grad_weight_noise_is_measured_against_the_gradients_sampling_noise():
+    gen = torch.Generator().manual_seed(4)
+    roles = {role: [EMU_TW] for role in GemmRole}
+    # Rows that differ (independent Gaussians): E4M3's error is a small fraction of the sampling noise.
+    x, dy = torch.randn(256, 32, generator=gen), torch.randn(256, 16, generator=gen)
+    res = quantify_errors(_snapshot_with_rows(x, dy), roles, samples=4)
+    ratio = res[(GemmRole.GRAD_WEIGHT, EMU_TW)].captured_noise_ratio
+    assert ratio is not None and ratio.n == 4 and 0 < ratio.value < 0.02
+    assert res[(GemmRole.FORWARD, EMU_TW)].captured_noise_ratio is None
+    assert res[(GemmRole.GRAD_INPUT, EMU_TW)].captured_noise_ratio is None
+    assert res[(GemmRole.GRAD_WEIGHT, EMU_TW)].to_dict()["captured_noise_ratio"]["n"] == 4
+    # Rows that are almost the same row: the batch barely changes the gradient, and the same
+    # rounding error is now large next to that sampling noise.
+    x0, dy0 = torch.randn(1, 32, generator=gen), torch.randn(1, 16, generator=gen)
+    x_same = x0 + 1e-3 * torch.randn(256, 32, generator=gen)
+    dy_same = dy0 + 1e-3 * torch.randn(256, 16, generator=gen)
+    same = quantify_errors(_snapshot_with_rows(x_same, dy_same), roles, samples=4)[(GemmRole.GRAD_WEIGHT, EMU_TW)]
+    assert same.captured_noise_ratio.value > 1.0
 
 
 def test_every_role_gets_measured_and_missing_gradients_are_explained():

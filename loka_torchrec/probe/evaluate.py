@@ -92,6 +92,8 @@ def evaluate_layer(
                     notes.append(f"unavailable: {timing}")
                     timing = _INF
                 notes.append(f"error: {label}")
+                if err.captured_noise_ratio is not None:
+                    notes.append(f"FP8 noise {err.captured_noise_ratio.value:.3g}x the sampling noise of the captured rows' gradient")
             else:
                 mere, sqnr, timing = err.gaussian, err.gaussian_sqnr, _INF
             if timed_rows != snap.rows:

@@ -24,6 +24,13 @@ rows the layer saw per call, capped). Three measurements are taken for every can
 * ``captured``: the real rows of the reservoir (real ``(x, dy)`` pairs), in chunks of rows,
   which shows how far the Gaussian model is from the data (heavy tails, outlier features).
 
+For ``wgrad`` on captured rows one more number is kept: the FP8 error's power over the sampling
+noise of the same gradient (:func:`sampling_noise_power`). A weight gradient is a sum over the
+batch's rows, and a different batch gives a different sum; when the FP8 error is small next to
+that difference, FP8 adds noise of the kind SGD already sees (a ratio ``q`` is about the noise of a
+batch ``1 + q`` times smaller). A grad-weight GEMM whose output cancels (a small sum of large
+terms) can have a low SQNR against its own reference and still a small ratio.
+
 Each draw's output is compared with a high-precision reference of the same operands (float64
 on the CPU, float32 with TF32 off on CUDA) by MERE and SQNR; the draws' mean comes with a
 Student-t 95% interval (:func:`~loka_torchrec.gemm.intervals.t_interval`).
@@ -49,7 +56,7 @@ from loka_torchrec.probe.sampling import GaussianModel, make_generator
 from loka_torchrec.probe.statistics import TensorStatistics
 from loka_torchrec.probe.weight_statistics import WeightStatistics
 
-__all__ = ["CandidateError", "LayerSnapshot", "quantify_errors", "reference_gemm", "draw_rows"]
+__all__ = ["CandidateError", "LayerSnapshot", "quantify_errors", "reference_gemm", "draw_rows", "sampling_noise_power"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,8 @@ class CandidateError:
             or when there is no weight model).
         captured, captured_sqnr: MERE and SQNR on the reservoir's real rows (``None`` when the
             reservoir holds fewer than two rows for the role).
+        captured_noise_ratio: ``wgrad`` only, on the reservoir's rows: the FP8 error's power over
+            the sampling noise power of the same rows' weight gradient (see the module docstring).
         note: why a measurement is missing, or ``"unavailable: ..."`` when the candidate cannot run.
     """
 
@@ -70,6 +79,7 @@ class CandidateError:
     weight_model: Optional[Interval] = None
     captured: Optional[Interval] = None
     captured_sqnr: Optional[Interval] = None
+    captured_noise_ratio: Optional[Interval] = None
     note: str = ""
 
     @property
@@ -83,7 +93,7 @@ class CandidateError:
 
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {"gaussian": self.gaussian.to_dict(), "gaussian_sqnr_db": self.gaussian_sqnr.to_dict()}
-        for name in ("weight_model", "captured", "captured_sqnr"):
+        for name in ("weight_model", "captured", "captured_sqnr", "captured_noise_ratio"):
             value = getattr(self, name)
             out[name if name != "captured_sqnr" else "captured_sqnr_db"] = value.to_dict() if value else None
         out["note"] = self.note
@@ -200,22 +210,26 @@ def _gaussian_operands(
         yield role_operands(role, x, w, dy)
 
 
-def _captured_operands(snap: LayerSnapshot, role: GemmRole, rows: int, samples: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def _captured_rows(snap: LayerSnapshot, role: GemmRole) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The reservoir's rows on the weight's device: ``(x, None)`` for ``fwd``, else ``(x, dy)`` pairs."""
     if snap.reservoir is None:
-        return []
+        return None, None
     if role == GemmRole.FORWARD:
         x, dy = snap.reservoir.input_rows(), None
     else:
         x, dy = snap.reservoir.pairs()
-    n = x.shape[0]
-    if n < 2:
-        return []
     device = snap.weight.device
-    x = x.to(device)
-    dy = dy.to(device) if dy is not None else None
+    return x.to(device), (dy.to(device) if dy is not None else None)
+
+
+def _captured_operands(
+    role: GemmRole, x: Optional[torch.Tensor], dy: Optional[torch.Tensor], w: torch.Tensor, rows: int, samples: int
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    if x is None or x.shape[0] < 2:
+        return []
+    n = x.shape[0]
     chunk = max(1, min(rows, n // 4))  # at least 4 chunks when the reservoir allows, for an interval
     count = min(samples, n // chunk)
-    w = snap.weight.detach()
     out = []
     for i in range(count):
         rows_i = slice(i * chunk, (i + 1) * chunk)
@@ -223,9 +237,29 @@ def _captured_operands(snap: LayerSnapshot, role: GemmRole, rows: int, samples: 
     return out
 
 
+def sampling_noise_power(x: torch.Tensor, dy: torch.Tensor, rows: int) -> float:
+    """Expected ``|G - E[G]|_F^2`` of a weight gradient ``G = sum dy_i x_i^T`` over ``rows`` rows
+    drawn independently from the given ``(x, dy)`` pairs.
+
+    One row contributes ``P_i = dy_i x_i^T``; over the ``n`` given rows its variance (summed over
+    the gradient's elements, unbiased) is ``n / (n - 1) * (mean_i |dy_i|^2 |x_i|^2 - |mean_i P_i|_F^2)``
+    (``|P_i|_F = |dy_i| |x_i|``), and a sum of ``rows`` independent rows has ``rows`` times that.
+    """
+    n = x.shape[0]
+    if n < 2:
+        raise ValueError(f"x: expected at least 2 rows to estimate a variance, got {n}")
+    if dy.shape[0] != n:
+        raise ValueError(f"dy: expected {n} rows (one per row of x), got {dy.shape[0]}")
+    per_row = (x.double().square().sum(1) * dy.double().square().sum(1)).mean()
+    mean_outer = reference_gemm(dy.t(), x.t()).double() / n
+    variance = n / (n - 1) * (per_row - mean_outer.square().sum())
+    return rows * max(float(variance), 0.0)
+
+
 def _measure(
     operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype
-) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
+) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
+    """Per candidate and draw: MERE, SQNR (dB) and the error's power ``|out - ref|_F^2``; and the failures."""
     # Metrics stay on the device until the end: one host synchronization per call, not per draw.
     pending: Dict[KernelChoice, List[torch.Tensor]] = {r.choice: [] for r in runs}
     failures: Dict[KernelChoice, str] = {}
@@ -247,11 +281,13 @@ def _measure(
             pending[c].append(torch.cat([mere_tensor(out, ref).reshape(1), noise_and_signal(out, ref)]))
     meres: Dict[KernelChoice, List[float]] = {}
     sqnrs: Dict[KernelChoice, List[float]] = {}
+    noises: Dict[KernelChoice, List[float]] = {}
     for c, values in pending.items():
         rows = torch.stack(values).tolist() if values else []
         meres[c] = [row[0] for row in rows]
         sqnrs[c] = [sqnr_from_sums(row[1], row[2]) for row in rows]
-    return meres, sqnrs, failures
+        noises[c] = [row[1] for row in rows]
+    return meres, sqnrs, noises, failures
 
 
 def _nonnegative(iv: Interval) -> Interval:
@@ -331,13 +367,19 @@ def quantify_errors(
                 runnable.append(run)
         if not runnable:
             continue
-        g_mere, g_sqnr, failures = _measure(_gaussian_operands(snap, models, role, rows, samples, seed), runnable, dtype)
+        g_mere, g_sqnr, _, failures = _measure(_gaussian_operands(snap, models, role, rows, samples, seed), runnable, dtype)
         wm_mere: Dict[KernelChoice, List[float]] = {}
         if role != GemmRole.GRAD_WEIGHT and snap.weight_stats is not None and snap.weight_stats.updates:
             if weight_draws is None:
                 weight_draws = _weight_draws(snap, max(2, samples // 4), seed, device)
-            wm_mere, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype)
-        c_mere, c_sqnr, _ = _measure(iter(_captured_operands(snap, role, rows, samples)), runnable, dtype)
+            wm_mere, _, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype)
+        x_rows, dy_rows = _captured_rows(snap, role)
+        captured_ops = _captured_operands(role, x_rows, dy_rows, snap.weight.detach(), rows, samples)
+        c_mere, c_sqnr, c_noise, _ = _measure(iter(captured_ops), runnable, dtype)
+        noise_floor = None
+        if role == GemmRole.GRAD_WEIGHT and captured_ops:
+            # The candidates saw the rows rounded to the model's dtype: so does the sampling noise.
+            noise_floor = sampling_noise_power(x_rows.to(dtype), dy_rows.to(dtype), captured_ops[0][0].shape[1])
         for run in runnable:
             c = run.choice
             if c in failures:
@@ -353,6 +395,9 @@ def quantify_errors(
                 weight_model=_nonnegative(t_interval(wm_mere[c])) if wm_mere.get(c) else None,
                 captured=captured,
                 captured_sqnr=t_interval(c_sqnr[c]) if c_sqnr.get(c) else None,
+                captured_noise_ratio=(
+                    _nonnegative(t_interval([noise / noise_floor for noise in c_noise[c]])) if noise_floor and c_noise.get(c) else None
+                ),
                 note="; ".join(notes),
             )
     return results
