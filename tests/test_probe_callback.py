@@ -338,9 +338,12 @@ def test_valve_fractions_need_a_rise_beyond_sampling_noise():
     ref = {"rows": 64, "numel": 64, "amax": 1.0, "kurtosis": 3.0, "saturation": 0.0, "underflow": {"e4m3": {"rowwise": 0.0}}}
     few = dict(ref, saturation=2 / 64, underflow={"e4m3": {"rowwise": 3 / 64}})
     assert check_shift("grad", ref, few, CFG) == []  # 2 of 64 elements: noise
-    many = dict(few, numel=2**20, rows=2**14)
+    many = dict(few, numel=2**20, rows=2**14, below_floor={"tensorwise": 0.07})
     signals = sorted(t.signal for t in check_shift("grad", ref, many, CFG))
-    assert signals == ["saturation_rise"]  # 3% saturated of a million elements is real; 4.7% underflow is below 0.05
+    assert signals == ["below_floor"]  # 7% of a million elements is real; 4.7% underflow is below 0.05
+    # A stale (delayed) scale would clamp 3% of the elements, but every recipe scales by the
+    # operand's current amax: saturation alone trips nothing, however many elements it counts.
+    assert check_shift("grad", ref, dict(many, below_floor={}), CFG) == []
     assert [t.detail for t in check_shift("act", ref, dict(many, underflow={"e4m3": {"rowwise": 0.2}}), CFG) if t.signal == "underflow_rise"] == ["e4m3.rowwise"]
 
 

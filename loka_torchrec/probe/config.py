@@ -61,8 +61,8 @@ class ProbeConfig:
         speed_reps: timed repetitions per candidate. ``None`` resolves to 20 on CUDA and 5 on the CPU.
         reservoir_rows: real rows (input and output-gradient pairs) kept per layer to measure
             the error on captured data next to the Gaussian model.
-        amax_history: number of probe steps whose amax is remembered (delayed-scaling
-            saturation and plots).
+        amax_history: number of probe steps whose amax is remembered (the delayed-scaling
+            saturation fraction in the logs, and plots).
         weight_ema: EMA decay of the weight model's row and column factors (0 = latest only).
         error_basis: which error becomes the evidence's ``error``: ``"gaussian"`` (draws from
             the learned distributions), ``"captured"`` (the reservoir of real rows) or ``"max"``
@@ -74,7 +74,6 @@ class ProbeConfig:
         kurtosis_spike_ratio: safety valve: a probe step whose kurtosis exceeds this multiple of
             the reference kurtosis trips the layer.
         underflow_rise: safety valve: absolute rise of an underflow fraction (0..1) that trips.
-        saturation_rise: safety valve: absolute rise of a delayed-scaling saturation fraction.
         readmit_windows: probe steps without a trigger that a tripped layer needs before it is
             re-evaluated for readmission.
         readmit_error_ratio: a re-evaluated layer keeps its plan when every candidate's new
@@ -106,7 +105,6 @@ class ProbeConfig:
     amax_jump_ratio: float = 8.0
     kurtosis_spike_ratio: float = 4.0
     underflow_rise: float = 0.05
-    saturation_rise: float = 0.01
     readmit_windows: int = 2
     readmit_error_ratio: float = 1.25
 
@@ -137,9 +135,8 @@ class ProbeConfig:
         for name in ("amax_jump_ratio", "kurtosis_spike_ratio", "readmit_error_ratio"):
             if not getattr(self, name) > 1.0:
                 raise ValueError(f"{name}: expected a ratio > 1, got {getattr(self, name)!r}")
-        for name in ("underflow_rise", "saturation_rise"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}: expected a fraction in (0, 1], got {getattr(self, name)!r}")
+        if not 0.0 < self.underflow_rise <= 1.0:
+            raise ValueError(f"underflow_rise: expected a fraction in (0, 1], got {self.underflow_rise!r}")
 
     # ------------------------------------------------------------------------------ cadence
     def is_probe_step(self, step: int) -> bool:

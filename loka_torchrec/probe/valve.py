@@ -9,9 +9,12 @@ every rank reaches the same verdict. A layer trips on any of:
 * ``kurtosis_spike``: ``kurtosis > kurtosis_spike_ratio * reference kurtosis``;
 * ``underflow_rise``: an underflow fraction (any format, any granularity) rose by more than
   ``underflow_rise``;
-* ``saturation_rise``: the delayed-scaling saturation fraction rose by more than ``saturation_rise``;
 * ``below_floor``: the fraction of elements in groups whose amax is below the FP8 scaling floor
   (1e-12, where FP8 loses them and ``nn.Linear`` keeps them) rose by more than ``underflow_rise``.
+
+The delayed-scaling saturation fraction of the statistics is not a trigger: every recipe scales
+an operand by its own amax at the time of the GEMM, which cannot saturate (it would matter to a
+scale taken from earlier steps' amax). It stays in the logs, for ``loka-inspect``.
 
 A fraction measured on few elements is noisy (2 of 64 elements is already 3%), so a rise must
 also exceed ``NOISE_Z`` binomial standard errors of the probe step's fraction,
@@ -40,7 +43,7 @@ class Trigger:
     """One reason to send a layer back to bf16, with the numbers that fired it."""
 
     tensor: str  # "act", "grad" or "weight"
-    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "saturation_rise", "below_floor"
+    signal: str  # "nonfinite", "amax_jump", "kurtosis_spike", "underflow_rise", "below_floor"
     value: float
     reference: float
     bound: float
@@ -116,10 +119,6 @@ def check_shift(tensor: str, reference: Optional[Mapping[str, Any]], window: Map
         value = float(value)
         if rose(value, ref_value, config.underflow_rise):
             triggers.append(Trigger(tensor, "below_floor", value, ref_value, ref_value + config.underflow_rise, gran))
-    sat, ref_sat = _num(window, "saturation"), _num(reference, "saturation")
-    ref_sat = ref_sat if math.isfinite(ref_sat) else 0.0
-    if rose(sat, ref_sat, config.saturation_rise):
-        triggers.append(Trigger(tensor, "saturation_rise", sat, ref_sat, ref_sat + config.saturation_rise, "tensorwise_delayed"))
     return triggers
 
 
