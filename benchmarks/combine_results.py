@@ -5,7 +5,8 @@ runs from several calls. This reads those files, keeps one record per (recipe, r
 first file that has it wins, so list the files in order of preference), and writes the per-run
 table and the step-time / NE plot with ``e2e_compare``'s own aggregation: speed-ups over the best
 bf16 compile mode of the same recipe and seed (``bf16_compile`` or ``bf16_compile_cudagraphs``,
-else eager ``bf16``; files from before the compiled runs have only the last), NE vs eager ``bf16``.
+else eager ``bf16``; files from before the compiled runs have only the last), NE vs bf16 of the
+same seed (eager ``bf16``, else ``bf16_compile``, else ``bf16_compile_cudagraphs``).
 Step times of runs from different calls are not paired: the table names each run's source file,
 and the reader should compare within a file where it matters. Usage::
 
@@ -74,7 +75,7 @@ def to_markdown(records: List[Dict[str, Any]], rows: List[Dict[str, Any]], comma
             f"[{_fmt(r.get('p10_step_ms'), '.2f')}, {_fmt(r.get('p90_step_ms'), '.2f')}] | {_fmt(r.get('eval_ne'), '.5f')} "
             f"| {_fmt(r.get('eval_auc'), '.4f')} | {_fmt(r.get('peak_memory_gb'), '.2f')} | {fp8} | `{r['source']}` |"
         )
-    lines += ["", "Per recipe and run, means over seeds (speed-ups and NE vs eager bf16 paired by seed):", ""]
+    lines += ["", "Per recipe and run, means over seeds (speed-ups and NE vs bf16 paired by seed):", ""]
     references = {}
     for row in rows:
         references.setdefault(row["recipe"], row["speed_reference"])
