@@ -7,6 +7,7 @@ records what each of them received in one step (detached: no autograd history of
 kept), and :meth:`DenseInputs.loss` runs them again eagerly, under the autocast of the recorded
 step and with a fixed random seed (dropout draws the same masks every time), and sums the mean
 squares of their floating outputs: a loss whose weight gradients reach every GEMM of the dense part.
+``loss(halves=True)`` gives that loss over each half of the rows, for the batch's sampling noise.
 """
 
 from __future__ import annotations
@@ -69,23 +70,28 @@ class DenseInputs:
         self._inputs.clear()
         self._autocast = None
 
-    def loss(self) -> torch.Tensor:
+    def loss(self, *, halves: bool = False) -> torch.Tensor:
         """The recorded inputs through the dense modules again: the sum over modules of the mean
-        square of each floating output. Raises ``RuntimeError`` if nothing was recorded."""
+        square of each floating output. Raises ``RuntimeError`` if nothing was recorded.
+
+        With ``halves``, two losses instead: the same sum over the first and over the second half
+        of each output's rows (dim 0). Their mean is the loss (for an even row count), and the
+        difference of their gradients is the batch's own sampling noise, which the gradient check
+        compares the FP8 error with. If an output has fewer than 2 rows, the one loss (0-d)."""
         if not self._inputs:
             raise RuntimeError("DenseInputs.loss: no inputs recorded (call record() before a training step)")
         device = next((t.device for t in self._tensors() if t.device.type != "cpu"), torch.device("cpu"))
         devices = [device] if device.type == "cuda" else []
         device_type, dtype = self._autocast or (device.type, None)
-        total = torch.zeros((), device=device)
+        outputs: List[torch.Tensor] = []
         with torch.random.fork_rng(devices=devices), eager(), torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
             torch.manual_seed(0)
             for name, (args, kwargs) in self._inputs.items():
-                outputs, _ = tree_flatten(self.modules[name](*args, **kwargs))
-                for out in outputs:
-                    if torch.is_tensor(out) and out.is_floating_point():
-                        total = total + out.float().square().mean()
-        return total
+                leaves, _ = tree_flatten(self.modules[name](*args, **kwargs))
+                outputs += [out.float() for out in leaves if torch.is_tensor(out) and out.is_floating_point()]
+        if halves and all(out.dim() > 0 and out.shape[0] >= 2 for out in outputs):
+            return sum((torch.stack([part.square().mean() for part in out.tensor_split(2, dim=0)]) for out in outputs), torch.zeros(2, device=device))
+        return sum((out.square().mean() for out in outputs), torch.zeros((), device=device))
 
     def _keep(self, name: str, args: tuple, kwargs: dict) -> None:
         args = resolve_awaitables(args)

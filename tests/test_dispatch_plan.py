@@ -89,6 +89,8 @@ def test_config_defaults_and_coercion():
         (dict(fallback="ignore"), "fallback"),
         (dict(min_grad_sqnr_db="high"), "min_grad_sqnr_db"),
         (dict(min_grad_sqnr_db=math.nan), "min_grad_sqnr_db"),
+        (dict(max_grad_noise_ratio=-0.1), "max_grad_noise_ratio"),
+        (dict(max_grad_noise_ratio=math.inf), "max_grad_noise_ratio"),
     ],
 )
 def test_config_rejects_each_bad_field_by_name(kwargs, field):

@@ -5,6 +5,8 @@ projection at 7.3 dB against float64 (seed 1), under torchao's 17 dB floor for F
 only one role in FP8 that gradient is 30.7 dB for the grad-weight GEMM, 26.4 dB for grad-input and
 7.2 dB for the forward: the projection's forward error, amplified by the block's attention and
 per-head layer norm, is what breaks it. The check must find that role and only send it to bf16.
+These tests use the floor alone, except those of the noise rule (``max_grad_noise_ratio``), which
+keeps FP8 whose error is a small, unshared part of the batch's own gradient noise.
 """
 
 import torch
@@ -89,12 +91,15 @@ def test_gradient_check_keeps_a_plan_that_meets_the_floor_and_leaves_gradients_a
 
 
 
-def _train_steps_with_prepare(tmp_path, grad_check: bool):
+def _train_steps_with_prepare(tmp_path, grad_check: bool, noise_ratio: float = 0.0):
     """The raw HSTU model through loka_torchrec.prepare: the Probe plans after 3 steps (emulated
-    rowwise FP8 wherever accurate), with or without ``dispatch.grad_check``; weights unchanged."""
+    rowwise FP8 wherever accurate), with or without ``dispatch.grad_check`` (its noise rule at
+    ``noise_ratio``, off by default: the floor alone); weights unchanged."""
     x = _batch()
     model = raw_hstu()
-    dispatch = DispatchConfig(candidates=("emulated:rowwise",), min_speedup=0.0, grad_check=grad_check)
+    dispatch = DispatchConfig(
+        candidates=("emulated:rowwise",), min_speedup=0.0, grad_check=grad_check, max_grad_noise_ratio=noise_ratio
+    )
     config = LokaConfig(enabled=True, probe=ProbeConfig(warmup_steps=3, every=1), dispatch=dispatch)
     loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path))
     for step in range(1, 6):
@@ -119,3 +124,58 @@ def test_prepare_with_grad_check_checks_the_first_fp8_plan_on_the_planning_steps
     assert not [e for e in loka_off.dispatcher.events if e["event"] == "grad_check"]
     assert loka_off.dispatcher.plan.fp8_gemm_count() > plan.fp8_gemm_count()
     assert min(_site_weight_db(unchecked, x, ref).values()) < GRAD_DB
+
+
+def test_the_noise_rule_keeps_fp8_whose_error_is_small_next_to_the_batch_noise(tmp_path):
+    # Four sequences: two per half, so the batch's own noise is large, and the FP8 error that the
+    # floor alone sends back (12 dB here) is a small, unshared part of it.
+    floor_only, checked_floor, _ = _train_steps_with_prepare(tmp_path / "floor", grad_check=True)
+    model, loka, x = _train_steps_with_prepare(tmp_path / "noise", grad_check=True, noise_ratio=0.1)
+    plan_run = next(e for e in loka.dispatcher.events if e["event"] == "grad_check" and e["kind"] == "plan")
+    under = plan_run["under_floor"]["0._uvqk_weight"]
+    assert under["db"] < GRAD_DB and under["noise_ratio"] <= 0.1 and under["systematic_db"] >= GRAD_DB
+    assert plan_run["failing"] == [] and loka.dispatcher.plan.fp8_gemm_count() > checked_floor.dispatcher.plan.fp8_gemm_count()
+    assert loka.dispatcher.managed_layers()["0._uvqk_weight"].kernels.fwd == ROWWISE
+
+
+def test_the_noise_rule_fails_an_error_that_both_halves_share_or_that_is_large_next_to_the_noise():
+    from loka_torchrec.dispatch.grad_check import _assess
+
+    gen = torch.Generator().manual_seed(0)
+    mean = torch.randn(64, 32, generator=gen)
+    r1, r2 = mean + 3 * torch.randn(64, 32, generator=gen), mean + 3 * torch.randn(64, 32, generator=gen)
+    reference = {"w": ((r1 + r2) / 2, (r1, r2))}
+
+    def got(e1, e2):
+        return {"w": ((r1 + e1 + r2 + e2) / 2, (r1 + e1, r2 + e2))}
+
+    small = 0.2 * torch.randn(64, 32, generator=gen), 0.2 * torch.randn(64, 32, generator=gen)
+    shared = 0.5 * torch.randn(64, 32, generator=gen)
+    large = 4 * torch.randn(64, 32, generator=gen), 4 * torch.randn(64, 32, generator=gen)
+    # Under a 30 dB floor every case is judged by the noise rule.
+    _, _, failing, under = _assess(got(*small), reference, 30.0, 0.1)
+    assert failing == [] and under["w"]["db"] < 30.0 and under["w"]["noise_ratio"] < 0.01 and under["w"]["systematic_db"] > 30.0
+    _, _, failing, under = _assess(got(shared, shared), reference, 30.0, 0.1)  # the same error on every batch
+    assert failing == ["w"] and under["w"]["noise_ratio"] < 0.1 and under["w"]["systematic_db"] < 20.0
+    _, _, failing, under = _assess(got(*large), reference, 30.0, 0.1)
+    assert failing == ["w"] and under["w"]["noise_ratio"] > 0.5
+    assert _assess(got(*small), reference, 30.0, 0.0)[2] == ["w"]  # no rule: the floor alone
+    scalar = {"w": (reference["w"][0], None)}  # a loss without halves: the floor alone
+    assert _assess({"w": (got(*small)["w"][0], None)}, scalar, 30.0, 0.1)[2] == ["w"]
+
+
+def test_dense_inputs_halves_average_to_the_loss_and_fall_back_to_it_for_single_rows():
+    from loka_torchrec.dense_inputs import DenseInputs
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    inputs = DenseInputs({"0": net[0]})
+    inputs.record()
+    net(torch.randn(6, 4))
+    inputs.stop()
+    halves = inputs.loss(halves=True)
+    assert halves.shape == (2,) and torch.allclose(halves.mean(), inputs.loss()) and not torch.allclose(halves[0], halves[1])
+    one_row = DenseInputs({"0": net[0]})
+    one_row.record()
+    net(torch.randn(1, 4))
+    one_row.stop()
+    assert one_row.loss(halves=True).dim() == 0

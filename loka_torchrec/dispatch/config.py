@@ -57,6 +57,10 @@ class DispatchConfig:
             gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
             high precision; the FP8 roles that push one below it go back to bf16
             (:mod:`loka_torchrec.dispatch.grad_check`).
+        max_grad_noise_ratio: that check's noise rule: a weight gradient under the floor still
+            passes when the FP8 error's power is at most this share of the gradient's batch
+            sampling noise (two half-batch gradients) and the error is not systematic; 0 turns the
+            rule off (the floor alone).
         grad_check: run that check once, right after the first ``policy`` plan with FP8 in it
             (static and pinned plans run as given), on the inputs the dense modules saw before
             the plan (:class:`loka_torchrec.Loka` does it; a model that amplifies a forward
@@ -89,6 +93,7 @@ class DispatchConfig:
     layer_check_reps: int = 10
     compiled: bool = False
     min_grad_sqnr_db: float = 17.0
+    max_grad_noise_ratio: float = 0.1
     grad_check: bool = True
 
     def __post_init__(self) -> None:
@@ -133,6 +138,9 @@ class DispatchConfig:
         sqnr_floor = self.min_grad_sqnr_db
         if isinstance(sqnr_floor, bool) or not isinstance(sqnr_floor, (int, float)) or math.isnan(sqnr_floor):
             raise ValueError(f"dispatch.min_grad_sqnr_db: expected a number of dB, got {self.min_grad_sqnr_db!r}")
+        ratio = self.max_grad_noise_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 0 or math.isinf(ratio):
+            raise ValueError(f"dispatch.max_grad_noise_ratio: expected a finite number >= 0, got {ratio!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
 

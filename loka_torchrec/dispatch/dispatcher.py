@@ -218,14 +218,17 @@ class Dispatcher(EvidenceConsumer):
         ``dispatch.min_grad_sqnr_db`` against high precision (:mod:`loka_torchrec.dispatch.grad_check`).
 
         ``loss_fn`` runs one deterministic forward of the model on a fixed batch and returns the
-        scalar loss; it must run no collectives (every rank checks on its own; rank 0's plan is
+        scalar loss, or the two losses of the batch's halves (for the check's noise rule,
+        ``dispatch.max_grad_noise_ratio``); it must run no collectives (every rank checks on its own; rank 0's plan is
         broadcast). No Parameter's ``.grad`` changes. Call it after a plan is made (a ``policy``
         replan, or at start for a static or pinned plan); the checked plan is applied, saved and
         returned, and each run and demotion is a ``grad_check`` event (each with the whole check's
         wall time, ``check_seconds``, also logged).
         """
         start = time.perf_counter()
-        plan, records = check_plan_gradients(self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db)
+        plan, records = check_plan_gradients(
+            self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db, max_noise_ratio=self.config.max_grad_noise_ratio
+        )
         plan = self._annotated(self._broadcast(plan))
         seconds = time.perf_counter() - start
         for record in records:
