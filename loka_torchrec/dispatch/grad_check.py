@@ -61,8 +61,15 @@ DEFAULT_MAX_NOISE_RATIO = 0.1
 
 _ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 
-SiteGradient = Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]
-"""A site's weight gradient of the loss, and the gradients of the two half-batch losses (or ``None``)."""
+SiteGradient = Tuple[Optional[torch.Tensor], Optional[Tuple[torch.Tensor, torch.Tensor]]]
+"""A site's weight gradient of the loss, or (``None`` and) the gradients of the two half-batch
+losses, whose mean it is: the halves alone are kept, so that a check holds no more than two
+gradients per site and run."""
+
+
+def _whole(gradient: SiteGradient) -> torch.Tensor:
+    full, halves = gradient
+    return full if full is not None else (halves[0] + halves[1]) / 2
 
 
 def site_parameter(module: torch.nn.Module) -> torch.nn.Parameter:
@@ -87,21 +94,20 @@ def _gradients(
     second = torch.autograd.grad(loss[1], params, allow_unused=True)
     out: Dict[str, Optional[SiteGradient]] = {}
     for name, a, b in zip(names, first, second):
-        a, b = (None if t is None else t.detach().float() for t in (a, b))
-        out[name] = None if a is None or b is None else ((a + b) / 2, (a, b))
+        out[name] = None if a is None or b is None else (None, (a.detach().float(), b.detach().float()))
     return out
 
 
 def _noise_rule(got: SiteGradient, ref: SiteGradient) -> Optional[Dict[str, float]]:
     """The numbers of the noise rule (module docstring) for one site, ``None`` without halves."""
-    (g, g_halves), (r, r_halves) = got, ref
+    g_halves, r_halves = got[1], ref[1]
     if g_halves is None or r_halves is None:
         return None
-    error, signal = noise_and_signal(g, r).tolist()
-    r1, r2 = (t.double() for t in r_halves)
-    e1, e2 = g_halves[0].double() - r1, g_halves[1].double() - r2
-    batch_noise = float((r1 - r2).square().sum()) / 4
-    shared = max(float((e1 * e2).sum()), 0.0)
+    error, signal = noise_and_signal(_whole(got), _whole(ref)).tolist()
+    r1, r2 = r_halves
+    e1, e2 = g_halves[0] - r1, g_halves[1] - r2  # float32 differences, summed in float64
+    batch_noise = float((r1 - r2).square().sum(dtype=torch.float64)) / 4
+    shared = max(float((e1 * e2).sum(dtype=torch.float64)), 0.0)
     return {
         "noise_ratio": error / batch_noise if batch_noise > 0 else float("inf"),
         "systematic_db": sqnr_from_sums(shared, signal),
@@ -116,8 +122,10 @@ def _assess(grads, reference, floor_db: float, max_noise_ratio: float) -> Tuple[
         got = grads.get(name)
         if ref is None or got is None:
             continue
-        finite = bool(torch.isfinite(got[0]).all())
-        db = sqnr_db(got[0], ref[0]) if finite else float("-inf")
+        whole = _whole(got)
+        finite = bool(torch.isfinite(whole).all())
+        db = sqnr_db(whole, _whole(ref)) if finite else float("-inf")
+        del whole
         if db < worst:
             worst, where = db, name
         if db >= floor_db:
