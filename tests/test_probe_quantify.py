@@ -166,6 +166,32 @@ def test_grad_weight_noise_is_measured_against_the_gradients_sampling_noise():
     assert same.captured_noise_ratio.value > 1.0
 
 
+def test_captured_chunks_stay_inside_one_batch():
+    # Two steps whose rows contribute alike to the weight gradient (dy * x of the same size) but
+    # with operands 1e5 apart: dy large and x small in the first, the other way round in the second.
+    gen = torch.Generator().manual_seed(6)
+    x_a, dy_a = 1e-2 * torch.randn(128, 32, generator=gen), 1e2 * torch.randn(128, 16, generator=gen)
+    x_b, dy_b = 1e3 * torch.randn(128, 32, generator=gen), 1e-3 * torch.randn(128, 16, generator=gen)
+    w = torch.randn(16, 32, generator=gen)
+
+    def captured_wgrad_error(batches):
+        res = RowReservoir(32, 16, capacity=256)
+        act, grad = TensorStatistics(32), TensorStatistics(16)
+        for x, dy in batches:
+            act.update(x), grad.update(dy)
+            res.offer_grads(res.offer_inputs(x), dy)
+        snap = LayerSnapshot("layer", w, act, grad, None, res, 256)
+        return quantify_errors(snap, {GemmRole.GRAD_WEIGHT: [EMU_TW]}, samples=4)[(GemmRole.GRAD_WEIGHT, EMU_TW)].captured
+
+    per_batch = captured_wgrad_error([(x_a, dy_a), (x_b, dy_b)])
+    assert per_batch.n == 4 and per_batch.value < 0.15  # E4M3's own error: each chunk's rows share a scale that fits them
+    # The same rows offered as one batch: chunks mix the two steps, and one tensorwise scale flushes
+    # the small operand of each, an error no training GEMM has.
+    order = torch.randperm(256, generator=gen)
+    mixed = captured_wgrad_error([(torch.cat([x_a, x_b])[order], torch.cat([dy_a, dy_b])[order])])
+    assert mixed.value > 0.5
+
+
 def test_every_role_gets_measured_and_missing_gradients_are_explained():
     snap = _snapshot()
     roles = {role: [EMU_RW, KernelChoice("scaled_mm", "blockwise"), KernelChoice("nope", "x")] for role in GemmRole}
@@ -320,3 +346,18 @@ def test_statistics_with_inf_or_nan_give_no_error_numbers(where):
     errors = quantify_errors(snap, {GemmRole.FORWARD: [KernelChoice("emulated", "rowwise")]}, samples=3)
     (err,) = errors.values()
     assert not err.available and "non-finite statistics" in err.note and math.isinf(err.gaussian.high)
+
+
+def test_a_reservoir_saved_before_batches_were_kept_loads_as_one_batch(tmp_path):
+    res = RowReservoir(4, 2, capacity=8)
+    for _ in range(3):
+        res.offer_grads(res.offer_inputs(torch.randn(4, 4)), torch.randn(4, 2))
+    assert len(res.by_batch(with_grads=True)) >= 2  # 8 slots for 12 rows of three batches
+    old = res.__dict__.copy()
+    del old["batch"], old["offers"]
+    restored = RowReservoir.__new__(RowReservoir)
+    restored.__setstate__(old)
+    groups = restored.by_batch(with_grads=True)
+    assert len(groups) == 1 and groups[0][0].shape == (8, 4)
+    restored.offer_inputs(torch.randn(2, 4))  # offers go on from there
+    assert restored.offers == 2

@@ -22,10 +22,12 @@ rows the layer saw per call, capped). Three measurements are taken for every can
   ``out * in * (out + in)`` flops, more than the GEMM), which shows how much the weight's
   structure matters;
 * ``captured``: the real rows of the reservoir (real ``(x, dy)`` pairs), in chunks of rows,
-  which shows how far the Gaussian model is from the data (heavy tails, outlier features).
+  each chunk from one batch as in training (the reservoir holds rows of several steps, whose
+  magnitudes differ), which shows how far the Gaussian model is from the data (heavy tails,
+  outlier features).
 
 For ``wgrad`` on captured rows one more number is kept: the FP8 error's power over the sampling
-noise of the same gradient (:func:`sampling_noise_power`). A weight gradient is a sum over the
+noise of the same gradient, from the rows of the chunk's batch (:func:`sampling_noise_power`). A weight gradient is a sum over the
 batch's rows, and a different batch gives a different sum; when the FP8 error is small next to
 that difference, FP8 adds noise of the kind SGD already sees (a ratio ``q`` is about the noise of a
 batch ``1 + q`` times smaller). A grad-weight GEMM whose output cancels (a small sum of large
@@ -210,31 +212,43 @@ def _gaussian_operands(
         yield role_operands(role, x, w, dy)
 
 
-def _captured_rows(snap: LayerSnapshot, role: GemmRole) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The reservoir's rows on the weight's device: ``(x, None)`` for ``fwd``, else ``(x, dy)`` pairs."""
+@dataclasses.dataclass
+class _CapturedDraws:
+    """Chunks of the reservoir's rows, each from one batch, as GEMM operands for one role."""
+
+    operands: List[Tuple[torch.Tensor, torch.Tensor]]
+    batch: List[int]  # the group (index into ``groups``) of each chunk
+    groups: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]  # the rows of each batch, on the weight's device
+    chunk: int
+
+
+def _captured_draws(snap: LayerSnapshot, role: GemmRole, rows: int, samples: int) -> _CapturedDraws:
+    """Up to ``samples`` chunks of captured rows for ``role``, every chunk inside one batch (the
+    latest batches first), ``rows`` rows at most and at least four chunks where the reservoir allows."""
+    empty = _CapturedDraws([], [], [], 0)
     if snap.reservoir is None:
-        return None, None
-    if role == GemmRole.FORWARD:
-        x, dy = snap.reservoir.input_rows(), None
-    else:
-        x, dy = snap.reservoir.pairs()
+        return empty
     device = snap.weight.device
-    return x.to(device), (dy.to(device) if dy is not None else None)
-
-
-def _captured_operands(
-    role: GemmRole, x: Optional[torch.Tensor], dy: Optional[torch.Tensor], w: torch.Tensor, rows: int, samples: int
-) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    if x is None or x.shape[0] < 2:
-        return []
-    n = x.shape[0]
-    chunk = max(1, min(rows, n // 4))  # at least 4 chunks when the reservoir allows, for an interval
-    count = min(samples, n // chunk)
-    out = []
-    for i in range(count):
-        rows_i = slice(i * chunk, (i + 1) * chunk)
-        out.append(role_operands(role, x[rows_i], w, dy[rows_i] if dy is not None else None))
-    return out
+    groups = [
+        (x.to(device), None if dy is None else dy.to(device))
+        for x, dy in snap.reservoir.by_batch(with_grads=role != GemmRole.FORWARD)
+    ]
+    sizes = [x.shape[0] for x, _ in groups]
+    if sum(sizes) < 2:
+        return empty
+    chunk = max(1, min(rows, sum(sizes) // 4, max(sizes)))
+    while chunk > 1 and sum(n // chunk for n in sizes) < min(4, samples):
+        chunk //= 2
+    w = snap.weight.detach()
+    draws = _CapturedDraws([], [], groups, chunk)
+    for g, (x, dy) in enumerate(groups):
+        for i in range(x.shape[0] // chunk):
+            if len(draws.operands) == samples:
+                return draws
+            part = slice(i * chunk, (i + 1) * chunk)
+            draws.operands.append(role_operands(role, x[part], w, dy[part] if dy is not None else None))
+            draws.batch.append(g)
+    return draws
 
 
 def sampling_noise_power(x: torch.Tensor, dy: torch.Tensor, rows: int) -> float:
@@ -288,6 +302,12 @@ def _measure(
         sqnrs[c] = [sqnr_from_sums(row[1], row[2]) for row in rows]
         noises[c] = [row[1] for row in rows]
     return meres, sqnrs, noises, failures
+
+
+def _noise_ratio(noises: List[float], floors: List[float]) -> Optional[Interval]:
+    """The interval of each chunk's error power over its batch's sampling noise (``None``: none measurable)."""
+    ratios = [noise / floor for noise, floor in zip(noises, floors) if floor > 0]
+    return _nonnegative(t_interval(ratios)) if ratios else None
 
 
 def _nonnegative(iv: Interval) -> Interval:
@@ -373,13 +393,17 @@ def quantify_errors(
             if weight_draws is None:
                 weight_draws = _weight_draws(snap, max(2, samples // 4), seed, device)
             wm_mere, _, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype)
-        x_rows, dy_rows = _captured_rows(snap, role)
-        captured_ops = _captured_operands(role, x_rows, dy_rows, snap.weight.detach(), rows, samples)
-        c_mere, c_sqnr, c_noise, _ = _measure(iter(captured_ops), runnable, dtype)
-        noise_floor = None
-        if role == GemmRole.GRAD_WEIGHT and captured_ops:
+        captured = _captured_draws(snap, role, rows, samples)
+        c_mere, c_sqnr, c_noise, _ = _measure(iter(captured.operands), runnable, dtype)
+        noise_floors: List[float] = []  # per captured chunk: its batch's sampling noise
+        if role == GemmRole.GRAD_WEIGHT and captured.operands:
             # The candidates saw the rows rounded to the model's dtype: so does the sampling noise.
-            noise_floor = sampling_noise_power(x_rows.to(dtype), dy_rows.to(dtype), captured_ops[0][0].shape[1])
+            per_batch = {
+                g: sampling_noise_power(x.to(dtype), dy.to(dtype), captured.chunk)
+                for g, (x, dy) in enumerate(captured.groups)
+                if x.shape[0] >= 2 and g in captured.batch
+            }
+            noise_floors = [per_batch.get(g, 0.0) for g in captured.batch]
         for run in runnable:
             c = run.choice
             if c in failures:
@@ -395,9 +419,7 @@ def quantify_errors(
                 weight_model=_nonnegative(t_interval(wm_mere[c])) if wm_mere.get(c) else None,
                 captured=captured,
                 captured_sqnr=t_interval(c_sqnr[c]) if c_sqnr.get(c) else None,
-                captured_noise_ratio=(
-                    _nonnegative(t_interval([noise / noise_floor for noise in c_noise[c]])) if noise_floor and c_noise.get(c) else None
-                ),
+                captured_noise_ratio=_noise_ratio(c_noise.get(c, []), noise_floors),
                 note="; ".join(notes),
             )
     return results

@@ -4,11 +4,17 @@ Every row offered at a probe step has the same chance to be in the reservoir (Vi
 Algorithm R, vectorized over a batch). A row's input is stored in the forward pass and its output
 gradient, when the backward pass comes, in the same slot, so the reservoir holds real
 ``(x, dy)`` pairs: the error of all three GEMMs can be measured on captured data.
+
+Each slot also remembers which offer (one call of the layer: one batch) its row came from.
+Training multiplies the rows of one batch together, and a layer's magnitudes move from step to
+step (its gradients can grow tenfold within a warm-up): a GEMM over rows of several steps would
+scale small rows by the largest step's amax, a range no training GEMM sees. :meth:`by_batch`
+gives the rows batch by batch, so that measurements use rows of one batch at a time.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -42,6 +48,15 @@ class RowReservoir:
         self.grads: Optional[torch.Tensor] = None  # (capacity, out_features)
         self.filled = torch.zeros(capacity, dtype=torch.bool)
         self.has_grad = torch.zeros(capacity, dtype=torch.bool)
+        self.batch = torch.full((capacity,), -1, dtype=torch.long)  # the offer each slot's row came from
+        self.offers = 0
+
+    def __setstate__(self, state: dict) -> None:
+        # A reservoir saved before slots remembered their batch: its rows count as one batch.
+        self.__dict__.update(state)
+        if "batch" not in state:
+            self.batch = torch.where(self.filled, 0, -1).long()
+            self.offers = 1
 
     @torch.no_grad()
     def offer_inputs(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +83,8 @@ class RowReservoir:
         self.inputs[slot.to(x.device)] = x[row_idx.to(x.device)].to(self.inputs.dtype)
         self.filled[slot] = True
         self.has_grad[slot] = False
+        self.batch[slot] = self.offers
+        self.offers += 1
         return slot, row_idx
 
     @torch.no_grad()
@@ -86,6 +103,19 @@ class RowReservoir:
             return torch.zeros(0, self.in_features), torch.zeros(0, self.out_features)
         idx = torch.nonzero(self.filled & self.has_grad).squeeze(1).to(self.inputs.device)
         return self.inputs[idx], self.grads[idx]
+
+    def by_batch(self, *, with_grads: bool) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The stored rows grouped by the offer (batch) they came from, the latest batch first:
+        ``(x, dy)`` pairs with ``with_grads`` (rows whose gradient came), else ``(x, None)`` for
+        every stored input row."""
+        if self.inputs is None:
+            return []
+        kept = self.filled & self.has_grad if with_grads else self.filled
+        groups = []
+        for b in torch.unique(self.batch[kept]).flip(0).tolist():
+            idx = torch.nonzero(kept & (self.batch == b)).squeeze(1).to(self.inputs.device)
+            groups.append((self.inputs[idx], self.grads[idx] if with_grads else None))
+        return groups
 
     def input_rows(self) -> torch.Tensor:
         """Every stored input row ``(n, in_features)``, with or without its gradient."""
