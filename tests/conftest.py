@@ -21,20 +21,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-# The longest tests (CPU seconds on 2 CI cores with cold caches, longest first), run first: pytest-xdist
-# hands tests out in collection order, so that the two workers end together instead of one worker
-# starting a minute-long job when the other has nothing left. A test's position does not change what it asserts.
+# The longest tests (seconds each takes in the 2-worker run on 2 CI cores with cold caches, longest
+# first), run first: pytest-xdist hands tests out in collection order, so that the two workers end
+# together instead of one worker starting a minute-long job when the other has nothing left. A
+# test's position does not change what it asserts.
 LONGEST_FIRST = (
-    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 170 + 120 s compiled
-    "tests/test_compile.py",  # 110 s, Inductor
-    "tests/test_faults.py",  # 75 s, 11 runs of the entry point
-    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 45 s
-    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",
-    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",
-    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",
-    "tests/test_train_job.py",  # 130 s, the other runs of the entry point
-    "tests/test_models_dmp.py",
-    "tests/test_torchrec_example.py",
+    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 75 + 77 s compiled, 2 x 15 s
+    "tests/test_faults.py",  # 80 s, 10 runs of the entry point, all on one worker
+    "tests/test_compile.py",  # 58 s, Inductor
+    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 35 s
+    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",  # 24 s
+    "tests/test_train_job.py",  # 81 s, the other runs of the entry point
+    "tests/test_dmp_collection.py",  # 21 s, 4 runs of the entry point
+    "tests/test_torchrec_example.py",  # 19 s
+    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",  # 18 s
+    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",  # 17 s
+    "tests/test_models_dmp.py",  # 12 s
 )
 
 
