@@ -1,9 +1,17 @@
 import os
 
-# Inductor's CPU (C++) kernels built at -O0 instead of -O3 (set before torch loads; the jobs the
-# tests start inherit it): on 2 CI cores g++ -O3 took about a third of the compile tests' time. The
-# generated code, and the graphs, graph breaks and recompiles the tests assert on, are the same.
+# Inductor's CPU code made cheap to build (set before torch loads; the jobs the tests start inherit
+# it). The graphs, graph breaks and recompiles that the tests assert on do not depend on these: they
+# change only the C++ that Inductor writes for a graph and how g++ builds it, which took most of a
+# compile test's time on 2 CI cores (the compiled DHEN job: 171 CPU-s with -O0 alone, 87 with all three):
+# - the kernels at -O0 instead of -O3;
 os.environ.setdefault("TORCHINDUCTOR_DEBUG_COMPILE", "1")
+# - scalar kernels only: no at::vec variant of each loop to generate and parse, and no test builds
+#   probing which SIMD instruction sets the machine has;
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# - the graph's wrapper in C++ with its kernels: one g++ run per graph instead of one per kernel
+#   (each run loads the 150 MB precompiled header, about 0.7 s of a CI core).
+os.environ.setdefault("TORCHINDUCTOR_CPP_WRAPPER", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -13,20 +21,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-# The longest tests (CPU seconds on 2 CI cores with cold caches, longest first), run first: pytest-xdist
-# hands tests out in collection order, so that the two workers end together instead of one worker
-# starting a minute-long job when the other has nothing left. A test's position does not change what it asserts.
+# The longest tests (seconds each takes in the 2-worker run on 2 CI cores with cold caches, longest
+# first), run first: pytest-xdist hands tests out in collection order, so that the two workers end
+# together instead of one worker starting a minute-long job when the other has nothing left. A
+# test's position does not change what it asserts.
 LONGEST_FIRST = (
-    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 170 + 120 s compiled
-    "tests/test_compile.py",  # 110 s, Inductor
-    "tests/test_faults.py",  # 75 s, 11 runs of the entry point
-    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 45 s
-    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",
-    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",
-    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",
-    "tests/test_train_job.py",  # 130 s, the other runs of the entry point
-    "tests/test_models_dmp.py",
-    "tests/test_torchrec_example.py",
+    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 75 + 77 s compiled, 2 x 15 s
+    "tests/test_faults.py",  # 80 s, 10 runs of the entry point, all on one worker
+    "tests/test_compile.py",  # 58 s, Inductor
+    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 35 s
+    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",  # 24 s
+    "tests/test_train_job.py",  # 81 s, the other runs of the entry point
+    "tests/test_dmp_collection.py",  # 21 s, 4 runs of the entry point
+    "tests/test_torchrec_example.py",  # 19 s
+    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",  # 18 s
+    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",  # 17 s
+    "tests/test_models_dmp.py",  # 12 s
 )
 
 

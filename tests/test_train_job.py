@@ -120,11 +120,12 @@ FAST_RECIPE = [
 @pytest.mark.parametrize(
     "model, mods, dispatch, probe",
     [
-        # The policy's timed plan costs seconds on 2 cores: two runs plan (one from the probe's
-        # evidence), two pin FP8 everywhere (same LokaLinear path, no timing).
+        # The policy's timed plan costs seconds on 2 cores: two runs plan from the probe's evidence
+        # (and check the plan's gradients, as the recipe does), two pin FP8 everywhere (same
+        # LokaLinear path, no timing). Planning from random evidence: the DLRM runs above.
         ("dhen", "none", "all:scaled_mm:rowwise", False),
         ("dhen", "all", "policy", True),
-        ("hstu", "none", "policy", False),
+        ("hstu", "none", "policy", True),
         ("hstu", "all", "all:scaled_mm:rowwise", False),
     ],
 )
@@ -173,6 +174,13 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
         assert any(
             role["source"] == "policy/probe" for layer in plan["layers"].values() for role in layer["roles"].values()
         )
+        # loka.dispatch.grad_check (on in the recipe): right after the Probe's plan every rank runs the
+        # gradient check on the dense modules' recorded inputs (no collective inside, one broadcast)
+        # and the run goes on; the check is in the events at the planning step.
+        events = [json.loads(line) for line in (run_dir / "dispatch_events.jsonl").read_text().splitlines()]
+        checks = [e for e in events if e["event"] == "grad_check"]
+        assert checks and {e["step"] for e in checks} == {plan["step"]}, checks
+        assert checks[0]["kind"] == "plan" and checks[0]["worst_db"] > 0
 
 
 @pytest.mark.parametrize(
@@ -207,20 +215,3 @@ def test_deterministic_runs_repeat_exactly_and_say_so(tmp_path):
         from loka_job.training.trainer import TrainConfig
 
         TrainConfig(deterministic="yes")
-
-
-@pytest.mark.slow
-def test_grad_check_runs_on_both_ranks_after_the_probes_plan(tmp_path):
-    """loka.dispatch.grad_check=true on HSTU, 2 ranks: right after the Probe's plan every rank runs the
-    gradient check on the dense modules' recorded inputs (no collective inside, one broadcast) and
-    the run goes on; the check is in the events at the planning step."""
-    run_dir = tmp_path / "run"
-    proc = launch(run_dir, "model=hstu", "loka.probe.enabled=true", "loka.probe.warmup_steps=10", "loka.probe.every=5",
-                  "loka.dispatch.grad_check=true", "train.compile=none", base=FAST_RECIPE)  # fmt: skip
-    assert "loka-torchrec run summary" in proc.stdout
-    events = [json.loads(line) for line in (run_dir / "dispatch_events.jsonl").read_text().splitlines()]
-    plan = json.loads((run_dir / "dispatch_plan.json").read_text())
-    checks = [e for e in events if e["event"] == "grad_check"]
-    assert checks and {e["step"] for e in checks} == {plan["step"]}, checks
-    assert checks[0]["kind"] == "plan" and checks[0]["worst_db"] > 0
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
