@@ -219,7 +219,8 @@ class Dispatcher(EvidenceConsumer):
 
         ``loss_fn`` runs one deterministic forward of the model on a fixed batch and returns the
         scalar loss, or the two losses of the batch's halves (for the check's noise rule,
-        ``dispatch.max_grad_noise_ratio``); it must run no collectives (every rank checks on its own; rank 0's plan is
+        ``dispatch.max_grad_noise_ratio``); it must run no collectives (every rank checks on its
+        own; rank 0's plan is
         broadcast). No Parameter's ``.grad`` changes. Call it after a plan is made (a ``policy``
         replan, or at start for a static or pinned plan); the checked plan is applied, saved and
         returned, and each run and demotion is a ``grad_check`` event (each with the whole check's

@@ -42,6 +42,7 @@ be deterministic (fixed batch, no dropout): every run must see the same model an
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -49,7 +50,7 @@ import torch
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, GemmRole
-from loka_torchrec.fp8.error_metrics import noise_and_signal, sqnr_db, sqnr_from_sums
+from loka_torchrec.fp8.error_metrics import noise_and_signal, sqnr_from_sums
 
 __all__ = ["check_plan_gradients", "site_parameter", "SOURCE", "DEFAULT_FLOOR_DB", "DEFAULT_MAX_NOISE_RATIO"]
 
@@ -98,12 +99,12 @@ def _gradients(
     return out
 
 
-def _noise_rule(got: SiteGradient, ref: SiteGradient) -> Optional[Dict[str, float]]:
-    """The numbers of the noise rule (module docstring) for one site, ``None`` without halves."""
+def _noise_rule(got: SiteGradient, ref: SiteGradient, error: float, signal: float) -> Optional[Dict[str, float]]:
+    """The numbers of the noise rule (module docstring) for one site whose whole gradient has
+    ``error`` and ``signal`` power against the reference; ``None`` without halves."""
     g_halves, r_halves = got[1], ref[1]
     if g_halves is None or r_halves is None:
         return None
-    error, signal = noise_and_signal(_whole(got), _whole(ref)).tolist()
     r1, r2 = r_halves
     e1, e2 = g_halves[0] - r1, g_halves[1] - r2  # float32 differences, summed in float64
     batch_noise = float((r1 - r2).square().sum(dtype=torch.float64)) / 4
@@ -124,13 +125,14 @@ def _assess(grads, reference, floor_db: float, max_noise_ratio: float) -> Tuple[
             continue
         whole = _whole(got)
         finite = bool(torch.isfinite(whole).all())
-        db = sqnr_db(whole, _whole(ref)) if finite else float("-inf")
+        error, signal = noise_and_signal(whole, _whole(ref)).tolist() if finite else (math.inf, math.nan)
         del whole
+        db = sqnr_from_sums(error, signal) if finite else -math.inf
         if db < worst:
             worst, where = db, name
         if db >= floor_db:
             continue
-        rule = _noise_rule(got, ref) if finite and max_noise_ratio > 0 else None
+        rule = _noise_rule(got, ref, error, signal) if finite and max_noise_ratio > 0 else None
         under[name] = {"db": db, **(rule or {})}
         if rule is None or not (rule["noise_ratio"] <= max_noise_ratio and rule["systematic_db"] >= floor_db):
             failing.append(name)

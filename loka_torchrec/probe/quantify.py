@@ -27,8 +27,8 @@ rows the layer saw per call, capped). Three measurements are taken for every can
   outlier features).
 
 For ``wgrad`` on captured rows one more number is kept: the FP8 error's power over the sampling
-noise of the same gradient, from the rows of the chunk's batch (:func:`sampling_noise_power`). A weight gradient is a sum over the
-batch's rows, and a different batch gives a different sum; when the FP8 error is small next to
+noise of the same gradient, from the rows of the chunk's batch (:func:`sampling_noise_power`). A
+weight gradient is a sum over the batch's rows, and a different batch gives a different sum; when the FP8 error is small next to
 that difference, FP8 adds noise of the kind SGD already sees (a ratio ``q`` is about the noise of a
 batch ``1 + q`` times smaller). A grad-weight GEMM whose output cancels (a small sum of large
 terms) can have a low SQNR against its own reference and still a small ratio.
@@ -393,17 +393,17 @@ def quantify_errors(
             if weight_draws is None:
                 weight_draws = _weight_draws(snap, max(2, samples // 4), seed, device)
             wm_mere, _, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype)
-        captured = _captured_draws(snap, role, rows, samples)
-        c_mere, c_sqnr, c_noise, _ = _measure(iter(captured.operands), runnable, dtype)
+        draws = _captured_draws(snap, role, rows, samples)
+        c_mere, c_sqnr, c_noise, _ = _measure(iter(draws.operands), runnable, dtype)
         noise_floors: List[float] = []  # per captured chunk: its batch's sampling noise
-        if role == GemmRole.GRAD_WEIGHT and captured.operands:
+        if role == GemmRole.GRAD_WEIGHT and draws.operands:
             # The candidates saw the rows rounded to the model's dtype: so does the sampling noise.
             per_batch = {
-                g: sampling_noise_power(x.to(dtype), dy.to(dtype), captured.chunk)
-                for g, (x, dy) in enumerate(captured.groups)
-                if x.shape[0] >= 2 and g in captured.batch
+                g: sampling_noise_power(x.to(dtype), dy.to(dtype), draws.chunk)
+                for g, (x, dy) in enumerate(draws.groups)
+                if x.shape[0] >= 2 and g in draws.batch
             }
-            noise_floors = [per_batch.get(g, 0.0) for g in captured.batch]
+            noise_floors = [per_batch.get(g, 0.0) for g in draws.batch]
         for run in runnable:
             c = run.choice
             if c in failures:

@@ -34,8 +34,8 @@ class RowReservoir:
         >>> r = RowReservoir(3, 2, capacity=4)
         >>> token = r.offer_inputs(torch.randn(10, 3))
         >>> r.offer_grads(token, torch.randn(10, 2))
-        >>> [t.shape for t in r.pairs()]
-        [torch.Size([4, 3]), torch.Size([4, 2])]
+        >>> [(x.shape, dy.shape) for x, dy in r.by_batch(with_grads=True)]
+        [(torch.Size([4, 3]), torch.Size([4, 2]))]
     """
 
     def __init__(self, in_features: int, out_features: int, *, capacity: int = 512, seed: int = 0) -> None:
@@ -97,13 +97,6 @@ class RowReservoir:
         self.grads[slot.to(dy.device)] = dy[row_idx.to(dy.device)].to(self.grads.dtype)
         self.has_grad[slot] = True
 
-    def pairs(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The stored ``(x, dy)`` pairs: ``(n, in_features)`` and ``(n, out_features)``."""
-        if self.inputs is None:
-            return torch.zeros(0, self.in_features), torch.zeros(0, self.out_features)
-        idx = torch.nonzero(self.filled & self.has_grad).squeeze(1).to(self.inputs.device)
-        return self.inputs[idx], self.grads[idx]
-
     def by_batch(self, *, with_grads: bool) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """The stored rows grouped by the offer (batch) they came from, the latest batch first:
         ``(x, dy)`` pairs with ``with_grads`` (rows whose gradient came), else ``(x, None)`` for
@@ -116,9 +109,3 @@ class RowReservoir:
             idx = torch.nonzero(kept & (self.batch == b)).squeeze(1).to(self.inputs.device)
             groups.append((self.inputs[idx], self.grads[idx] if with_grads else None))
         return groups
-
-    def input_rows(self) -> torch.Tensor:
-        """Every stored input row ``(n, in_features)``, with or without its gradient."""
-        if self.inputs is None:
-            return torch.zeros(0, self.in_features)
-        return self.inputs[torch.nonzero(self.filled).squeeze(1).to(self.inputs.device)]
