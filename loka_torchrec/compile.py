@@ -131,10 +131,14 @@ def compile_dense(
 
 def _mode_or_options(mode: str) -> dict:
     """``torch.compile``'s ``mode``, except that ``reduce-overhead`` records CUDA graphs only for
-    static shapes: a graph with a dynamic dim (HSTU's jagged token count) would be re-recorded for
-    every new size, so Inductor runs it without one (its ``cudagraph_skip_dynamic_graphs``)."""
+    graphs of static shapes: a graph with a dynamic dim (HSTU's jagged token count) would be
+    re-recorded for every new size, so Inductor runs it without one (its
+    ``cudagraph_skip_dynamic_graphs``, which then looks at the graph's input shapes). Inductor's
+    graph partitions stay off: with them that setting is applied per operation, by whether the
+    operation's code uses any symbol, and in PyTorch 2.11 the loop indices of a fused kernel count,
+    so a static graph ran almost without CUDA graphs."""
     if mode == "reduce-overhead":
-        return {"options": {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}}
+        return {"options": {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True, "graph_partition": False}}
     return {"mode": mode}
 
 

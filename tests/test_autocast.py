@@ -11,7 +11,7 @@ from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.evidence import KernelChoice
-from loka_job.training.trainer import ClickTrainModule, TrainConfig, step_time_stats
+from loka_job.training.trainer import ClickTrainModule, TrainConfig, dense_adagrad, step_time_stats
 
 BF16 = torch.bfloat16
 
@@ -154,3 +154,55 @@ def test_step_time_stats_in_milliseconds():
     assert stats["mean_step_ms"] == pytest.approx(15.0)
     one = step_time_stats([0.002])
     assert one["p10_step_ms"] == one["p90_step_ms"] == pytest.approx(2.0)
+
+
+def test_dense_adagrad_is_fused_where_pytorch_has_the_kernel_and_updates_as_the_default_one(caplog):
+    torch.manual_seed(0)
+    fused_param = nn.Parameter(torch.randn(8, 4))
+    plain_param = nn.Parameter(fused_param.detach().clone())
+    start = fused_param.detach().clone()
+    fused = dense_adagrad([fused_param], lr=0.1, fused=True)
+    plain = dense_adagrad([plain_param], lr=0.1, fused=False)
+    assert fused.defaults["fused"] is True and not plain.defaults["fused"]
+    for _ in range(3):
+        grad = torch.randn(8, 4)
+        fused_param.grad, plain_param.grad = grad.clone(), grad.clone()
+        fused.step()
+        plain.step()
+    assert fused_param.detach().sub(plain_param.detach()).abs().max() < 1e-6
+    assert fused_param.detach().sub(start).abs().min() > 0.01  # every entry took its steps
+    # A device without PyTorch's fused kernel (meta here): the default implementation, and a warning.
+    with caplog.at_level("WARNING", logger="loka_job.train"):
+        meta = dense_adagrad([nn.Parameter(torch.empty(2, 2, device="meta"))], lr=0.1, fused=True)
+    assert not meta.defaults["fused"]
+    assert "no fused Adagrad for meta" in caplog.text
+
+
+def test_dense_adagrad_without_a_fused_kernel_compiles_its_step_in_a_compiled_job(monkeypatch):
+    import loka_job.training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "_fused_adagrad_runs", lambda device_type: False)  # as PyTorch 2.11 on CUDA
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8))]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    compiled = dense_adagrad(params, lr=0.1, fused=True, compiled=True)
+    plain = dense_adagrad(twins, lr=0.1, fused=True, compiled=False)
+    assert not compiled.defaults["fused"] and not plain.defaults["fused"]
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        compiled.step()
+        plain.step()
+    assert counts["stats"]["unique_graphs"] >= 1  # the step ran compiled ...
+    for p, q in zip(params, twins):
+        assert (p.detach() - q.detach()).abs().max() < 1e-5  # ... with the eager update (3 steps)
+    graphs = counts["stats"]["unique_graphs"]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    compiled.step()
+    assert counts["stats"]["unique_graphs"] == graphs  # no recompile from step to step
+    assert compiled.state_dict()["state"][0]["sum"].shape == (16, 8)  # checkpoints as before

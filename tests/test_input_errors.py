@@ -30,6 +30,7 @@ def test_loka_config_refuses_a_plain_dict_for_a_section():
         (dict(lr=float("inf")), r"train.lr: expected a finite number > 0"),
         (dict(max_nonfinite_steps=0), r"train.max_nonfinite_steps: must be >= 1, got 0"),
         (dict(progress_bar="no"), r"train.progress_bar: expected true or false"),
+        (dict(fused_optimizer="yes"), r"train.fused_optimizer: expected true or false, got 'yes'"),
         (dict(steps=10, timing_start=10), r"train.timing_start"),
     ],
 )

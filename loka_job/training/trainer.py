@@ -78,6 +78,53 @@ def enable_determinism() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def dense_adagrad(params, *, lr: float, fused: bool, compiled: bool = False) -> torch.optim.Adagrad:
+    """The dense parameters' Adagrad, its update in one pass over the parameters where it can be.
+
+    With ``fused``: PyTorch's fused implementation where this PyTorch runs it on every device the
+    parameters are on; else, with ``compiled`` (the job compiles its dense modules), the default
+    implementation with its step compiled by Inductor, which fuses the per-tensor updates of each
+    group of tensors into a few kernels; else the default implementation (and a warning). The
+    default implementation makes one pass over the parameters per elementwise operation of the
+    update, several passes of 4 bytes per parameter each.
+    """
+    params = list(params)
+    if not fused:
+        return torch.optim.Adagrad(params, lr=lr)
+    missing = [d for d in sorted({p.device.type for p in params}) if not _fused_adagrad_runs(d)]
+    if not missing:
+        return torch.optim.Adagrad(params, lr=lr, fused=True)
+    optimizer = torch.optim.Adagrad(params, lr=lr)
+    if compiled:
+        logger.info("train.fused_optimizer: no fused Adagrad for %s in this PyTorch; the dense Adagrad's step is compiled", ", ".join(missing))
+        optimizer.step = _compiled_step(optimizer.step)
+    else:
+        logger.warning("train.fused_optimizer: this PyTorch has no fused Adagrad for %s; the dense Adagrad runs unfused", ", ".join(missing))
+    return optimizer
+
+
+def _compiled_step(step: Callable) -> Callable:
+    """``step`` (an optimizer's bound ``step``) compiled; a call with a closure runs it eagerly."""
+    compiled = torch.compile(step)
+
+    def compiled_step(closure=None):
+        return step(closure) if closure is not None else compiled()
+
+    return compiled_step
+
+
+def _fused_adagrad_runs(device_type: str) -> bool:
+    """Whether a fused Adagrad step runs on ``device_type`` (PyTorch checks the device at the first
+    step, and which devices it accepts depends on its version): one step on a one-element tensor."""
+    param = torch.zeros(1, device=device_type, requires_grad=True)
+    param.grad = torch.zeros_like(param)
+    try:
+        torch.optim.Adagrad([param], fused=True).step()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Loop settings (``train.*`` in the recipes).
@@ -85,6 +132,10 @@ class TrainConfig:
     Attributes:
         steps: the last step (the step counter continues on resume).
         lr, embedding_lr: dense Adagrad and fused row-wise Adagrad learning rates.
+        fused_optimizer: the dense Adagrad's update in one pass over the parameters per step
+            instead of one per elementwise operation (:func:`dense_adagrad`): PyTorch's fused
+            Adagrad, or where this PyTorch has none for the device and the job compiles
+            (``compile``), the step compiled by Inductor. Same update.
         log_every, eval_every, checkpoint_every: cadences in steps (0: never / at the end).
         resume: a run dir or checkpoint folder to resume from.
         progress_bar: tqdm on rank 0.
@@ -146,6 +197,7 @@ class TrainConfig:
     steps: int = 200
     lr: float = 0.05
     embedding_lr: float = 0.05
+    fused_optimizer: bool = True
     log_every: int = 10
     eval_every: int = 0
     checkpoint_every: int = 0
@@ -185,7 +237,7 @@ class TrainConfig:
         for name in ("steps", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace"):
+        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace", "fused_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.data_workers is not None and (type(self.data_workers) is not int or self.data_workers < 0):
@@ -357,7 +409,9 @@ class Trainer:
         # 4. Dense optimizer + the fused embedding optimizer behind one interface.
         dense = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: torch.optim.Adagrad(params, lr=train_config.lr),
+            lambda params: dense_adagrad(
+                params, lr=train_config.lr, fused=train_config.fused_optimizer, compiled=self.compile_mode is not None
+            ),
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
         # 5. The pipeline overlaps input distribution with compute; under DMPCollection it also
