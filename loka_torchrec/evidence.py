@@ -131,6 +131,10 @@ class CandidateEvidence:
         source: who produced it: ``"random"`` (random inputs) or ``"probe"`` (learned
             distributions); the plan records it.
         sqnr_db: optional SQNR of the same comparison.
+        noise_ratio: grad-weight only, when the Probe captured real rows: the candidate's error
+            power on them over the sampling noise power of the same rows' weight gradient. The
+            accuracy gate judges the real rows by it (``dispatch.max_grad_noise_ratio``), and
+            ``error`` is then the MERE on Gaussian draws (:attr:`ProbeConfig.error_basis`).
         device: where it was measured, e.g. ``"cpu"`` or ``"NVIDIA H100 80GB HBM3"``.
         note: anything that qualifies the numbers (e.g. "unavailable: ...").
     """
@@ -146,6 +150,7 @@ class CandidateEvidence:
     sqnr_db: Optional[Interval] = None
     device: str = ""
     note: str = ""
+    noise_ratio: Optional[Interval] = None
 
     @property
     def speedup(self) -> float:
@@ -170,6 +175,7 @@ class CandidateEvidence:
             "sqnr_db": self.sqnr_db.to_dict() if self.sqnr_db else None,
             "device": self.device,
             "note": self.note,
+            "noise_ratio": self.noise_ratio.to_dict() if self.noise_ratio else None,
         }
 
     @classmethod
@@ -187,6 +193,7 @@ class CandidateEvidence:
             sqnr_db=Interval.from_dict(d["sqnr_db"]) if d.get("sqnr_db") else None,
             device=d.get("device", ""),
             note=d.get("note", ""),
+            noise_ratio=Interval.from_dict(d["noise_ratio"]) if d.get("noise_ratio") else None,
         )
 
 

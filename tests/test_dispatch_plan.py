@@ -198,7 +198,7 @@ def test_decide_makes_each_role_of_each_layer_independently():
     ]
     plan = decide(pool, layers, source="policy/probe", mode="policy", step=7, device="cpu", **GATES)
     assert set(plan.layers) == set(layers)
-    assert (plan.mode, plan.step, plan.device, plan.gates) == ("policy", 7, "cpu", GATES)
+    assert (plan.mode, plan.step, plan.device, plan.gates) == ("policy", 7, "cpu", {**GATES, "max_grad_noise_ratio": 0.0})
     d0 = plan.layers["dense.0"]
     assert (d0.rows, d0.in_features, d0.out_features) == (64, 32, 16)
     assert d0.kernels == LayerKernels(TENSORWISE, ROWWISE, BF16)
@@ -237,6 +237,24 @@ def _with_choice(plan: DispatchPlan, layer: str, role: GemmRole, choice: KernelC
     new_layer = dataclasses.replace(plan.layers[layer], roles={**plan.layers[layer].roles, role: new_role})
     return dataclasses.replace(plan, layers={**plan.layers, layer: new_layer})
 
+
+
+def test_grad_weight_real_rows_are_gated_by_their_noise_ratio_not_only_by_mere():
+    quiet = dataclasses.replace(evidence(ROWWISE, role=WGRAD), noise_ratio=Interval(0.01, 0.005, 0.02, 6, "t95"))
+    loud = dataclasses.replace(evidence(TENSORWISE, role=WGRAD, time=(0.8, 0.7, 0.9)), noise_ratio=Interval(0.1, 0.0, 0.3, 6, "t95"))
+    # The faster candidate adds up to 0.3 of the gradient's batch noise: over the bound of 0.1.
+    d = decide_role([quiet, loud], source="policy/probe", max_noise_ratio=0.1, **GATES)
+    assert d.choice == ROWWISE
+    assert "noise ratio 0.01 (hi 0.02 <= 0.1)" in d.reason
+    alone = decide_role([loud], source="policy/probe", max_noise_ratio=0.1, **GATES)
+    assert alone.choice == BF16 and alone.reason == "none accurate enough: best scaled_mm:tensorwise noise ratio hi 0.3 > 0.1"
+    # 0: the noise ratio gates nothing; the MERE gate still does.
+    assert decide_role([loud], source="policy/probe", max_noise_ratio=0.0, **GATES).choice == TENSORWISE
+    high_mere = dataclasses.replace(quiet, error=Interval(0.3, 0.25, 0.35, 8, "t95"))
+    assert decide_role([high_mere], source="policy/probe", max_noise_ratio=0.1, **GATES).reason.endswith("MERE hi 0.3500 >= 0.2")
+    # The ratio travels with the evidence through JSON.
+    assert CandidateEvidence.from_dict(json.loads(json.dumps(quiet.to_dict()))) == quiet
+    assert CandidateEvidence.from_dict({**evidence().to_dict(), "noise_ratio": None}).noise_ratio is None
 
 def test_plan_json_round_trip_preserves_everything():
     plan = _plan()

@@ -192,3 +192,7 @@ def test_best_candidate_follows_the_dispatch_rule_on_interval_bounds():
     strict = best_candidate(evidence, "fwd", 0.01, 1.05)  # nothing accurate enough: the lowest upper bound
     assert strict["candidate"] in ("b:accurate_fast", "c:accurate_faster_point") and not strict["passes"]
     assert best_candidate(evidence, "dgrad", 0.2, 1.05) is None
+    # A grad-weight candidate over the plan's noise-ratio gate does not pass; with the gate off it does.
+    loud = {**_ev("b:accurate_fast", "wgrad", 0.05, 0.06, 0.8, 0.9), "noise_ratio": {"value": 0.2, "low": 0.1, "high": 0.3, "n": 6, "method": "t95"}}
+    assert not best_candidate([loud], "wgrad", 0.2, 1.05, max_noise_ratio=0.1)["passes"]
+    assert best_candidate([loud], "wgrad", 0.2, 1.05)["passes"]

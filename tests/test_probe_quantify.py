@@ -164,6 +164,13 @@ def test_grad_weight_noise_is_measured_against_the_gradients_sampling_noise():
     dy_same = dy0 + 1e-3 * torch.randn(256, 16, generator=gen)
     same = quantify_errors(_snapshot_with_rows(x_same, dy_same), roles, samples=4)[(GemmRole.GRAD_WEIGHT, EMU_TW)]
     assert same.captured_noise_ratio.value > 1.0
+    # The evidence carries it (grad-weight only), with the Gaussian MERE as its error.
+    config = ProbeConfig(samples=4, speed_reps=2)
+    evidence, _ = evaluate_layer(_snapshot_with_rows(x, dy), roles, config=config, speed_cache=SpeedCache(reps=2))
+    by_role = {ev.role: ev for ev in evidence}
+    assert by_role[GemmRole.GRAD_WEIGHT].noise_ratio.value == pytest.approx(ratio.value)
+    assert "captured rows by their noise ratio" in by_role[GemmRole.GRAD_WEIGHT].note
+    assert by_role[GemmRole.FORWARD].noise_ratio is None and by_role[GemmRole.GRAD_INPUT].noise_ratio is None
 
 
 def test_captured_chunks_stay_inside_one_batch():
@@ -254,6 +261,11 @@ def test_choose_error_basis():
     assert choose_error(err, "captured")[0] == c
     assert choose_error(err, "max")[0] == c
     assert choose_error(CandidateError(gaussian=g, gaussian_sqnr=g), "max")[0] == g
+    # A grad-weight GEMM's real rows with a noise ratio: "max" takes the Gaussian MERE (the ratio is
+    # the real rows' evidence, gated by Dispatch); an explicit "captured" still takes theirs.
+    noisy = CandidateError(gaussian=g, gaussian_sqnr=g, captured=c, captured_sqnr=c, captured_noise_ratio=g)
+    assert choose_error(noisy, "max")[0] == g
+    assert choose_error(noisy, "captured")[0] == c
 
 
 def test_time_gemm_and_cache():

@@ -57,10 +57,13 @@ class DispatchConfig:
             gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
             high precision; the FP8 roles that push one below it go back to bf16
             (:mod:`loka_torchrec.dispatch.grad_check`).
-        max_grad_noise_ratio: that check's noise rule: a weight gradient under the floor still
-            passes when the FP8 error's power is at most this share of the gradient's batch
-            sampling noise (two half-batch gradients) and the error is not systematic; 0 turns the
-            rule off (the floor alone).
+        max_grad_noise_ratio: how much noise FP8 may add to a weight gradient, as a share of the
+            gradient's own batch sampling noise (power over power). Two uses: the accuracy gate
+            of a grad-weight candidate with real-row evidence (its ``noise_ratio`` upper bound
+            must be at most this; :mod:`loka_torchrec.dispatch.policy`), and the gradient check's
+            noise rule (a weight gradient under the floor still passes when its error is at most
+            this share of the noise of two half-batch gradients and is not systematic). 0 turns
+            both off: the real rows' noise ratio gates nothing, and the check has its floor alone.
         grad_check: run that check once, right after the first ``policy`` plan with FP8 in it
             (static and pinned plans run as given), on the inputs the dense modules saw before
             the plan (:class:`loka_torchrec.Loka` does it; a model that amplifies a forward

@@ -177,6 +177,7 @@ class Dispatcher(EvidenceConsumer):
                 self._layer_sizes(),
                 max_mere=self.config.max_mere,
                 min_speedup=self.config.min_speedup,
+                max_noise_ratio=self.config.max_grad_noise_ratio,
                 source=f"policy/{source}",
                 mode=self.config.mode,
                 step=step,

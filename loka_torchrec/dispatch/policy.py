@@ -3,7 +3,9 @@
 For each layer and role, a candidate is *admissible* when
 
 * its evidence is finite (a MERE, time or bound that is inf or NaN measured nothing), and
-* its MERE upper confidence bound is below ``max_mere`` (accuracy gate), and
+* its MERE upper confidence bound is below ``max_mere``, and, for a grad-weight GEMM with
+  real-row evidence, the upper bound of its noise ratio (FP8 error power over the weight
+  gradient's batch sampling noise) is at most ``max_noise_ratio`` (accuracy gate), and
 * its speedup lower bound over bf16 (baseline lower bound / candidate upper bound) is at least
   ``min_speedup`` (speed gate; 1.05 by default, so noise alone never buys FP8).
 
@@ -24,9 +26,17 @@ __all__ = ["decide", "decide_role"]
 
 
 def decide_role(
-    evidence: List[CandidateEvidence], *, max_mere: float, min_speedup: float, source: str
+    evidence: List[CandidateEvidence], *, max_mere: float, min_speedup: float, source: str, max_noise_ratio: float = 0.0
 ) -> RoleDecision:
-    """Pick the kernel for one GEMM from its candidates' evidence."""
+    """Pick the kernel for one GEMM from its candidates' evidence (``max_noise_ratio`` 0: the noise
+    ratio gates nothing)."""
+
+    def noise_ok(e: CandidateEvidence) -> bool:
+        return max_noise_ratio <= 0 or e.noise_ratio is None or e.noise_ratio.high <= max_noise_ratio
+
+    def accurate(e: CandidateEvidence) -> bool:
+        return e.error.high < max_mere and noise_ok(e)
+
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
     excluded = [e for e in fp8 if e.note.startswith("excluded")]
     fp8 = [e for e in fp8 if not e.note.startswith("excluded")]
@@ -35,21 +45,27 @@ def decide_role(
     if nonfinite and not fp8:
         reason = f"non-finite evidence: {nonfinite[0].candidate} MERE {nonfinite[0].error.value} (hi {nonfinite[0].error.high})"
         return RoleDecision(BF16, reason, source, None, tuple(evidence))
-    admissible = [e for e in fp8 if e.error.high < max_mere and e.speedup_low >= min_speedup]
+    admissible = [e for e in fp8 if accurate(e) and e.speedup_low >= min_speedup]
     if admissible:
         best = max(admissible, key=lambda e: (e.speedup, -e.error.value))
+        noise = ""
+        if best.noise_ratio is not None and max_noise_ratio > 0:
+            noise = f", noise ratio {best.noise_ratio.value:.3g} (hi {best.noise_ratio.high:.3g} <= {max_noise_ratio})"
         reason = (
-            f"fastest accurate of {len(fp8)}: MERE {best.error.value:.4f} (hi {best.error.high:.4f} < {max_mere}), "
+            f"fastest accurate of {len(fp8)}: MERE {best.error.value:.4f} (hi {best.error.high:.4f} < {max_mere}){noise}, "
             f"{best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= {min_speedup})"
         )
         return RoleDecision(best.candidate, reason, source, best, tuple(evidence))
     if not fp8:
         why = "; ".join(f"{e.candidate} {e.note}" for e in excluded)
         return RoleDecision(BF16, "no FP8 candidate could run here" + (f" ({why})" if why else ""), source, None, tuple(evidence))
-    accurate = [e for e in fp8 if e.error.high < max_mere]
-    if accurate:
-        best = max(accurate, key=lambda e: e.speedup)
+    accurate_ones = [e for e in fp8 if accurate(e)]
+    if accurate_ones:
+        best = max(accurate_ones, key=lambda e: e.speedup)
         reason = f"none fast enough: best {best.candidate} {best.speedup:.2f}x (lo {best.speedup_low:.2f}x < {min_speedup})"
+    elif any(e.error.high < max_mere for e in fp8):  # within the MERE bound, over the noise bound
+        best = min((e for e in fp8 if e.error.high < max_mere), key=lambda e: e.noise_ratio.high)
+        reason = f"none accurate enough: best {best.candidate} noise ratio hi {best.noise_ratio.high:.3g} > {max_noise_ratio}"
     else:
         best = min(fp8, key=lambda e: e.error.high)
         reason = f"none accurate enough: best {best.candidate} MERE hi {best.error.high:.4f} >= {max_mere}"
@@ -70,6 +86,7 @@ def decide(
     max_mere: float,
     min_speedup: float,
     source: str,
+    max_noise_ratio: float = 0.0,
     mode: str = "policy",
     step: int = 0,
     device: str = "",
@@ -80,7 +97,8 @@ def decide(
         evidence: candidate evidence for any subset of layers and roles.
         layers: canonical FQN -> ``(rows, in_features, out_features)`` of every managed layer;
             a layer or role without evidence stays in bf16 with the reason "no evidence".
-        max_mere, min_speedup: the gates (see the module docstring).
+        max_mere, min_speedup, max_noise_ratio: the gates (see the module docstring; 0: the noise
+            ratio gates nothing).
         source: recorded in each decision, e.g. ``"policy/probe"``.
     """
     by_key: Dict[Tuple[str, GemmRole], List[CandidateEvidence]] = {}
@@ -92,8 +110,11 @@ def decide(
         for role in GemmRole:
             found = by_key.get((name, role))
             if found:
-                roles[role] = decide_role(found, max_mere=max_mere, min_speedup=min_speedup, source=source)
+                roles[role] = decide_role(
+                    found, max_mere=max_mere, min_speedup=min_speedup, source=source, max_noise_ratio=max_noise_ratio
+                )
             else:
                 roles[role] = RoleDecision(BF16, "no evidence", source)
         plans[name] = LayerPlan(name, in_features, out_features, rows, roles)
-    return DispatchPlan(plans, mode, step, device, {"max_mere": max_mere, "min_speedup": min_speedup})
+    gates = {"max_mere": max_mere, "min_speedup": min_speedup, "max_grad_noise_ratio": max_noise_ratio}
+    return DispatchPlan(plans, mode, step, device, gates)

@@ -67,7 +67,13 @@ class ProbeConfig:
         error_basis: which error becomes the evidence's ``error``: ``"gaussian"`` (draws from
             the learned distributions), ``"captured"`` (the reservoir of real rows) or ``"max"``
             (the larger of the two point estimates, with its interval; the default, since the
-            Gaussian model misses heavy tails).
+            Gaussian model misses heavy tails). Except, under ``"max"``, a grad-weight GEMM whose
+            captured rows give a noise ratio (the FP8 error's power over the sampling noise of the
+            rows' own weight gradient, :attr:`CandidateEvidence.noise_ratio`, which Dispatch
+            gates): its ``error`` is the Gaussian one. A weight gradient sums many rows, and its
+            elementwise relative error is large wherever their contributions cancel, which says
+            little about training; its error power next to the batch's own noise says how much
+            noise FP8 adds to SGD's.
         seed: seed of the Gaussian draws and of the covariance subset (identical on all ranks).
         amax_jump_ratio: safety valve: a probe step whose amax exceeds this multiple of the
             reference amax trips the layer.

@@ -29,6 +29,8 @@ def choose_error(err: CandidateError, basis: str) -> Tuple[Interval, Interval, s
     if basis == "gaussian" or err.captured is None:
         label = "gaussian" if basis == "gaussian" else "gaussian (no captured rows)"
         return err.gaussian, err.gaussian_sqnr, label
+    if basis == "max" and err.captured_noise_ratio is not None:  # the real rows are judged by their noise ratio
+        return err.gaussian, err.gaussian_sqnr, "gaussian; captured rows by their noise ratio"
     if basis == "captured" or err.captured.value > err.gaussian.value:
         return err.captured, err.captured_sqnr or err.gaussian_sqnr, "captured"
     return err.gaussian, err.gaussian_sqnr, "gaussian"
@@ -110,6 +112,7 @@ def evaluate_layer(
                 sqnr_db=sqnr,
                 device=name,
                 note="; ".join(notes),
+                noise_ratio=err.captured_noise_ratio if err.available else None,
             )
             evidence.append(ev)
             details.append({"role": role.value, "candidate": str(choice), "errors": err.to_dict()})

@@ -58,7 +58,7 @@ def build_report(view: RunView, *, layer_glob: Optional[str] = None, z_threshold
         e4m3 = under.get("e4m3") or {}
         roles = {}
         for role in ROLES:
-            best = best_candidate(entry.get("evidence") or [], role, view.max_error, view.min_speedup)
+            best = best_candidate(entry.get("evidence") or [], role, view.max_error, view.min_speedup, view.max_noise_ratio)
             choice, reason = view.decision(name, role)
             roles[role] = {
                 "best": None

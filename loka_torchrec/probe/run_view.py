@@ -50,6 +50,7 @@ class RunView:
         plan: the Dispatch plan (``{}`` when absent).
         max_error, min_speedup: the gates.
         warnings: recoverable problems met while reading.
+        max_noise_ratio: the grad-weight noise-ratio gate of the plan (0: none).
     """
 
     run_dir: Path
@@ -60,6 +61,7 @@ class RunView:
     max_error: float
     min_speedup: float
     warnings: List[str]
+    max_noise_ratio: float = 0.0
 
     def filtered(self, pattern: Optional[str]) -> Dict[str, Dict[str, Any]]:
         """Layers whose FQN matches the glob ``pattern`` (all when ``None``)."""
@@ -205,7 +207,8 @@ def load_run(run_dir: "str | Path", *, rank: Optional[int] = None, max_error: Op
         layers, source = _layers_from_records(ranks[first], local=False), f"rank{first}.jsonl"
     if not layers:
         raise RunDirError(f"no layer records in {probe_dir / source}")
-    return RunView(run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems)
+    noise_gate = _float((plan.get("gates") or {}).get("max_grad_noise_ratio", 0.0)) if isinstance(plan.get("gates"), dict) else 0.0
+    return RunView(run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems, noise_gate if math.isfinite(noise_gate) else 0.0)
 
 
 def _speedups(e: Dict[str, Any]) -> Tuple[float, float]:
@@ -217,10 +220,13 @@ def _speedups(e: Dict[str, Any]) -> Tuple[float, float]:
     return speedup, low
 
 
-def best_candidate(evidence: List[Dict[str, Any]], role: str, max_error: float, min_speedup: float) -> Optional[Dict[str, Any]]:
+def best_candidate(
+    evidence: List[Dict[str, Any]], role: str, max_error: float, min_speedup: float, max_noise_ratio: float = 0.0
+) -> Optional[Dict[str, Any]]:
     """The role's FP8 candidate to show, chosen by Dispatch's rule on the interval bounds.
 
-    Within both gates (MERE upper bound ``< max_error``, speedup lower bound ``>= min_speedup``):
+    Within both gates (MERE upper bound ``< max_error`` and, with ``max_noise_ratio > 0``, a
+    grad-weight noise ratio's upper bound ``<= max_noise_ratio``; speedup lower bound ``>= min_speedup``):
     the fastest; else the fastest accurate one; else the one with the lowest MERE upper bound.
     The returned dict is the evidence record plus ``passes`` (both gates), ``speedup`` and
     ``speedup_low``.
@@ -233,7 +239,11 @@ def best_candidate(evidence: List[Dict[str, Any]], role: str, max_error: float, 
     def err_hi(e: Dict[str, Any]) -> float:
         return _float(e["error"]["high"])
 
-    accurate = [e for e in usable if err_hi(e) < max_error]
+    def noise_ok(e: Dict[str, Any]) -> bool:
+        ratio = e.get("noise_ratio")
+        return max_noise_ratio <= 0 or not ratio or _float(ratio.get("high")) <= max_noise_ratio
+
+    accurate = [e for e in usable if err_hi(e) < max_error and noise_ok(e)]
     admissible = [e for e in accurate if _speedups(e)[1] >= min_speedup]
     if admissible:
         best = max(admissible, key=lambda e: _speedups(e)[0])
