@@ -310,6 +310,24 @@ def test_weight_quantized_once_per_step_tensorwise(quantize_calls):
     assert quantize_calls.count("weight") == 2
 
 
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.Adagrad, torch.optim.SGD])
+def test_a_fused_optimizer_step_invalidates_the_weight_cache(optimizer):
+    # PyTorch's fused optimizers update the weight in place without bumping its _version: the
+    # next forward must still see the new weight, not the FP8 copy of the old one.
+    torch.manual_seed(6)
+    layer = LokaLinear(32, 16, kernels=kernels_for("emulated:tensorwise", "all"))
+    opt = optimizer(layer.parameters(), lr=0.1, fused=True)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    version = layer.weight._version
+    opt.step()
+    assert layer.weight._version == version  # the premise: no version bump
+    fresh = LokaLinear(32, 16, kernels=kernels_for("emulated:tensorwise", "all"))
+    fresh.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        assert torch.equal(layer(x), fresh(x))
+
+
 def test_weight_cache_rowwise_quantizes_both_axes(quantize_calls):
     layer = LokaLinear(32, 16, kernels=kernels_for("scaled_mm:rowwise", "all"))
     for _ in range(3):

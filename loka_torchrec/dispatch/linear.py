@@ -34,8 +34,10 @@ its neighbours (``fullgraph=True``):
 
 **Eagerly** (probe steps, CPUs, debugging) the layer keeps what saves work between calls:
 
-* the quantized weight, cached per ``(weight._version, data_ptr)`` and operand spec, so forward,
-  grad-input and micro-batches between two optimizer steps quantize it once (for tensorwise the
+* the quantized weight, cached per ``(weight._version, data_ptr)``, the process's count of
+  optimizer steps and the operand spec, so forward, grad-input and micro-batches between two
+  optimizer steps quantize it once (PyTorch's fused optimizers update a weight in place without
+  bumping ``_version``, hence the step count; for tensorwise the
   grad-input ``W^T`` is the forward's FP8 bytes transposed; rowwise needs a second quantization
   along the other axis);
 * the operand quantization on CUDA is the project's fused Triton kernel (one pass);
@@ -86,6 +88,25 @@ logger = logging.getLogger(__name__)
 
 _ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 _PENDING_SCALES = 64  # operands whose scales are counted for nonfinite_events in one batch (eager)
+
+
+class _OptimizerSteps:
+    """How many ``torch.optim`` optimizer steps this process has taken (a global post-step hook,
+    registered with the first layer's eager state): part of the weight cache's stamp."""
+
+    count = 0
+    hook = None
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls.hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            cls.hook = register_optimizer_step_post_hook(cls._stepped)
+
+    @classmethod
+    def _stepped(cls, optimizer, args, kwargs) -> None:
+        cls.count += 1
 
 
 def compiling() -> bool:
@@ -198,6 +219,7 @@ class _EagerState:
         self.weight_cache: Dict[Tuple, Any] = {}
         self.weight_stamp: Optional[Tuple] = None
         self.pending_scales: List[torch.Tensor] = []  # dequantization scales not yet counted
+        _OptimizerSteps.watch()
 
     def clear(self) -> None:
         self.weight_cache = {}
@@ -208,7 +230,7 @@ class _EagerState:
         if weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None  # inference tensors have no version; a captured graph re-reads the weight
         try:
-            stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+            stamp = (weight._version, _OptimizerSteps.count, weight.data_ptr(), weight.dtype, weight.device)
         except RuntimeError:  # a tensor without storage of its own (a wrapper subclass): no caching
             return None
         if stamp != self.weight_stamp:
