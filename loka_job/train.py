@@ -110,6 +110,9 @@ def format_summary(s: Dict[str, Any]) -> str:
             f"torch.compile    mode {compiled['mode']}: {', '.join(compiled['modules'])}; {compiled['graphs']} graph(s), "
             f"{compiled['graph_breaks']} graph break(s)"
         )
+    if compiled.get("dense_optimizer"):
+        note = " (PyTorch's Optimizer.step breaks its graph once, on purpose)" if compiled["dense_optimizer"] == "step compiled" else ""
+        lines.append(f"dense Adagrad    {compiled['dense_optimizer']}{note}")
     if s.get("sharding_group_size") is not None:
         lines.append(
             f"2D sharding      DMPCollection: tables sharded over groups of {s['sharding_group_size']} rank(s), "

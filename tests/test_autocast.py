@@ -11,7 +11,7 @@ from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.evidence import KernelChoice
-from loka_job.training.trainer import ClickTrainModule, TrainConfig, dense_adagrad, step_time_stats
+from loka_job.training.trainer import ClickTrainModule, TrainConfig, dense_adagrad, dense_optimizer_kind, step_time_stats
 
 BF16 = torch.bfloat16
 
@@ -164,6 +164,7 @@ def test_dense_adagrad_is_fused_where_pytorch_has_the_kernel_and_updates_as_the_
     fused = dense_adagrad([fused_param], lr=0.1, fused=True)
     plain = dense_adagrad([plain_param], lr=0.1, fused=False)
     assert fused.defaults["fused"] is True and not plain.defaults["fused"]
+    assert (dense_optimizer_kind(fused), dense_optimizer_kind(plain)) == ("fused", "foreach")
     for _ in range(3):
         grad = torch.randn(8, 4)
         fused_param.grad, plain_param.grad = grad.clone(), grad.clone()
@@ -187,7 +188,7 @@ def test_dense_adagrad_without_a_fused_kernel_compiles_its_step_in_a_compiled_jo
     twins = [nn.Parameter(p.detach().clone()) for p in params]
     compiled = dense_adagrad(params, lr=0.1, fused=True, compiled=True)
     plain = dense_adagrad(twins, lr=0.1, fused=True, compiled=False)
-    assert not compiled.defaults["fused"] and not plain.defaults["fused"]
+    assert (dense_optimizer_kind(compiled), dense_optimizer_kind(plain)) == ("step compiled", "foreach")
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()

@@ -97,20 +97,28 @@ def dense_adagrad(params, *, lr: float, fused: bool, compiled: bool = False) -> 
     optimizer = torch.optim.Adagrad(params, lr=lr)
     if compiled:
         logger.info("train.fused_optimizer: no fused Adagrad for %s in this PyTorch; the dense Adagrad's step is compiled", ", ".join(missing))
-        optimizer.step = _compiled_step(optimizer.step)
+        optimizer.step = _CompiledStep(optimizer.step)
     else:
         logger.warning("train.fused_optimizer: this PyTorch has no fused Adagrad for %s; the dense Adagrad runs unfused", ", ".join(missing))
     return optimizer
 
 
-def _compiled_step(step: Callable) -> Callable:
-    """``step`` (an optimizer's bound ``step``) compiled; a call with a closure runs it eagerly."""
-    compiled = torch.compile(step)
+class _CompiledStep:
+    """An optimizer's bound ``step`` compiled; a call with a closure runs it eagerly. (PyTorch's
+    ``Optimizer.step`` breaks its graph on purpose around the update, so it compiles to two graphs.)"""
 
-    def compiled_step(closure=None):
-        return step(closure) if closure is not None else compiled()
+    def __init__(self, step: Callable) -> None:
+        self.eager, self.compiled = step, torch.compile(step)
 
-    return compiled_step
+    def __call__(self, closure=None):
+        return self.eager(closure) if closure is not None else self.compiled()
+
+
+def dense_optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """How :func:`dense_adagrad`'s optimizer runs its update, for the run's summary."""
+    if optimizer.defaults.get("fused"):
+        return "fused"
+    return "step compiled" if isinstance(optimizer.step, _CompiledStep) else "foreach"
 
 
 def _fused_adagrad_runs(device_type: str) -> bool:
@@ -407,12 +415,13 @@ class Trainer:
             sharding_group_size=train_config.sharding_group_size,
         )
         # 4. Dense optimizer + the fused embedding optimizer behind one interface.
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: dense_adagrad(
+        def make_dense_optimizer(params) -> torch.optim.Adagrad:
+            self.dense_optimizer = dense_adagrad(
                 params, lr=train_config.lr, fused=train_config.fused_optimizer, compiled=self.compile_mode is not None
-            ),
-        )
+            )
+            return self.dense_optimizer
+
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(self.model.named_parameters())), make_dense_optimizer)
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense])
         # 5. The pipeline overlaps input distribution with compute; under DMPCollection it also
         #    syncs the embedding replicas every train.sync_every steps (after the backward).
@@ -756,6 +765,7 @@ class Trainer:
             "modules": list(self.compiled_modules),
             "graphs": int(counters["stats"].get("unique_graphs", 0)),
             "graph_breaks": sum(breaks.values()),
+            "dense_optimizer": dense_optimizer_kind(self.dense_optimizer),
             "graph_break_reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5]),
         }
 
