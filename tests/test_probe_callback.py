@@ -1,5 +1,6 @@
 """ProbeCallback: cadence, layer discovery, evidence to Dispatch, safety valve, logs, and 2 gloo ranks."""
 
+import dataclasses
 import json
 import math
 import os
@@ -421,3 +422,24 @@ def test_a_model_without_convertible_layers_warns_once_and_runs_to_the_end(tmp_p
     assert "no layers to probe" in caplog.text
     assert cb._log._file is None or cb._log._file.closed
     assert (tmp_path / "probe" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("readmit_every, monitored, readmitted", [(2, [4, 6, 8, 14], 8), (0, [4, 10, 16], 16)])
+def test_a_tripped_layer_is_monitored_again_soon_and_the_cadence_returns_after_readmission(tmp_path, readmit_every, monitored, readmitted):
+    # Monitoring every 6 steps after a warm-up of 4; the spike at step 4 trips both layers. With
+    # readmit_every=2 the two clean windows come at steps 6 and 8, then every 6 steps again; with
+    # 0 (the usual cadence) at 10 and 16.
+    config = dataclasses.replace(CFG, every_after=6, readmit_every=readmit_every)
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
+    cb = ProbeCallback(model, config, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 17, data=_shifted(4, "spike"))
+    cb.close()
+    assert {c[2] for c in dispatch.calls if c[0] == "fallback"} == {4}
+    assert [c for c in dispatch.calls if c[0] == "readmit"] == [("readmit", "fc1", readmitted), ("readmit", "fc2", readmitted)]
+    assert cb.monitoring_steps == monitored
+
+
+def test_readmit_every_must_be_a_nonnegative_int():
+    with pytest.raises(ValueError, match="readmit_every: expected an int >= 0"):
+        ProbeConfig(readmit_every=-1)

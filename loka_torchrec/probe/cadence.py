@@ -114,16 +114,20 @@ class MonitorCadence:
     def plain_ms(self) -> Optional[float]:
         return statistics.median(self._plain_ms) if self._plain_ms else None
 
-    def after_monitoring(self, step: int, group: Optional[Any] = None) -> int:
+    def after_monitoring(self, step: int, group: Optional[Any] = None, *, at_most: int = 0) -> int:
         """Set the next monitoring step from this one's measured extra; returns the interval.
 
-        Collective when ``group`` spans several ranks: every rank must call it at the same step.
+        ``at_most`` (> 0) caps this rank's interval, e.g. while a layer waits for readmission.
+        Collective when ``group`` spans several ranks: every rank must call it at the
+        same step.
         """
         plain = self.plain_ms
         if self.last_step_ms is not None and plain is not None:
             self.last_extra_ms = self.last_step_ms - plain
         mine = monitor_interval(self.last_extra_ms, plain, self.config)
-        self.interval = _max_over_ranks(mine, group)
+        if at_most > 0:
+            mine = min(mine, at_most)
+        self.interval = _max_over_ranks(mine, group)  # capped first: every rank ends with the same interval
         self.next_step = step + self.interval
         return self.interval
 

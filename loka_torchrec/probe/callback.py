@@ -294,7 +294,9 @@ class ProbeCallback:
         self.cadence.tick(plain=not probed and self.planned == planned_before)
         if probed and step >= self.config.warmup_steps:
             self._monitoring_steps.append(step)
-            interval = self.cadence.after_monitoring(step, self.group)  # collective: same on all ranks
+            waiting = any(state.state == "fallback" for state in self._layers.values())  # the same on every rank
+            at_most = self.config.readmit_every if waiting else 0
+            interval = self.cadence.after_monitoring(step, self.group, at_most=at_most)  # collective
             if self.rank == 0 and self.config.monitor_budget:
                 logger.info(
                     "Probe: monitoring step %d cost %s ms over a plain step; next one in %d steps (budget %.2f%%)",

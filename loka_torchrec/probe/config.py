@@ -82,6 +82,10 @@ class ProbeConfig:
         underflow_rise: safety valve: absolute rise of an underflow fraction (0..1) that trips.
         readmit_windows: probe steps without a trigger that a tripped layer needs before it is
             re-evaluated for readmission.
+        readmit_every: while a layer is in fallback, the next monitoring step comes at most this
+            many steps later (0: the usual cadence), so that a layer tripped by a passing shift
+            is readmitted after ``readmit_windows`` short waits, not after as many of the budgeted
+            intervals (hundreds to thousands of steps, in bf16 meanwhile).
         readmit_error_ratio: a re-evaluated layer keeps its plan when every candidate's new
             error is at most this multiple of its plan-time error; otherwise Dispatch re-plans
             with the new evidence before the layer is readmitted.
@@ -112,6 +116,7 @@ class ProbeConfig:
     kurtosis_spike_ratio: float = 4.0
     underflow_rise: float = 0.05
     readmit_windows: int = 2
+    readmit_every: int = 50
     readmit_error_ratio: float = 1.25
 
     def __post_init__(self) -> None:
@@ -134,6 +139,8 @@ class ProbeConfig:
         _positive_int("reservoir_rows", self.reservoir_rows)
         _positive_int("amax_history", self.amax_history)
         _positive_int("readmit_windows", self.readmit_windows)
+        if isinstance(self.readmit_every, bool) or not isinstance(self.readmit_every, int) or self.readmit_every < 0:
+            raise ValueError(f"readmit_every: expected an int >= 0 (0 = the usual cadence), got {self.readmit_every!r}")
         if not 0.0 <= self.weight_ema < 1.0:
             raise ValueError(f"weight_ema: expected a decay in [0, 1), got {self.weight_ema!r}")
         if self.error_basis not in ERROR_BASES:
