@@ -11,7 +11,8 @@ from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.evidence import KernelChoice
-from loka_job.training.trainer import ClickTrainModule, TrainConfig, dense_adagrad, dense_optimizer_kind, step_time_stats
+from loka_job.training.dense_optimizer import dense_adagrad, dense_optimizer_kind
+from loka_job.training.trainer import ClickTrainModule, TrainConfig, step_time_stats
 
 BF16 = torch.bfloat16
 
@@ -180,9 +181,9 @@ def test_dense_adagrad_is_fused_where_pytorch_has_the_kernel_and_updates_as_the_
 
 
 def test_dense_adagrad_without_a_fused_kernel_compiles_its_step_in_a_compiled_job(monkeypatch):
-    import loka_job.training.trainer as trainer
+    import loka_job.training.dense_optimizer as dense_optimizer
 
-    monkeypatch.setattr(trainer, "_fused_adagrad_runs", lambda device_type: False)  # as PyTorch 2.11 on CUDA
+    monkeypatch.setattr(dense_optimizer, "_fused_adagrad_runs", lambda device_type: False)  # as PyTorch 2.11 on CUDA
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8))]
     twins = [nn.Parameter(p.detach().clone()) for p in params]

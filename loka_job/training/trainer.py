@@ -25,6 +25,7 @@ from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint
+from loka_job.training.dense_optimizer import dense_adagrad, dense_optimizer_kind
 from loka_job.training.distributed import DistContext
 from loka_job.training.memory_trend import MemoryTrend
 from loka_job.training.nonfinite import NonFiniteSteps
@@ -78,61 +79,6 @@ def enable_determinism() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def dense_adagrad(params, *, lr: float, fused: bool, compiled: bool = False) -> torch.optim.Adagrad:
-    """The dense parameters' Adagrad, its update in one pass over the parameters where it can be.
-
-    With ``fused``: PyTorch's fused implementation where this PyTorch runs it on every device the
-    parameters are on; else, with ``compiled`` (the job compiles its dense modules), the default
-    implementation with its step compiled by Inductor, which fuses the per-tensor updates of each
-    group of tensors into a few kernels; else the default implementation (and a warning). The
-    default implementation makes one pass over the parameters per elementwise operation of the
-    update, several passes of 4 bytes per parameter each.
-    """
-    params = list(params)
-    if not fused:
-        return torch.optim.Adagrad(params, lr=lr)
-    missing = [d for d in sorted({p.device.type for p in params}) if not _fused_adagrad_runs(d)]
-    if not missing:
-        return torch.optim.Adagrad(params, lr=lr, fused=True)
-    optimizer = torch.optim.Adagrad(params, lr=lr)
-    if compiled:
-        logger.info("train.fused_optimizer: no fused Adagrad for %s in this PyTorch; the dense Adagrad's step is compiled", ", ".join(missing))
-        optimizer.step = _CompiledStep(optimizer.step)
-    else:
-        logger.warning("train.fused_optimizer: this PyTorch has no fused Adagrad for %s; the dense Adagrad runs unfused", ", ".join(missing))
-    return optimizer
-
-
-class _CompiledStep:
-    """An optimizer's bound ``step`` compiled; a call with a closure runs it eagerly. (PyTorch's
-    ``Optimizer.step`` breaks its graph on purpose around the update, so it compiles to two graphs.)"""
-
-    def __init__(self, step: Callable) -> None:
-        self.eager, self.compiled = step, torch.compile(step)
-
-    def __call__(self, closure=None):
-        return self.eager(closure) if closure is not None else self.compiled()
-
-
-def dense_optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """How :func:`dense_adagrad`'s optimizer runs its update, for the run's summary."""
-    if optimizer.defaults.get("fused"):
-        return "fused"
-    return "step compiled" if isinstance(optimizer.step, _CompiledStep) else "foreach"
-
-
-def _fused_adagrad_runs(device_type: str) -> bool:
-    """Whether a fused Adagrad step runs on ``device_type`` (PyTorch checks the device at the first
-    step, and which devices it accepts depends on its version): one step on a one-element tensor."""
-    param = torch.zeros(1, device=device_type, requires_grad=True)
-    param.grad = torch.zeros_like(param)
-    try:
-        torch.optim.Adagrad([param], fused=True).step()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Loop settings (``train.*`` in the recipes).
@@ -141,7 +87,7 @@ class TrainConfig:
         steps: the last step (the step counter continues on resume).
         lr, embedding_lr: dense Adagrad and fused row-wise Adagrad learning rates.
         fused_optimizer: the dense Adagrad's update in one pass over the parameters per step
-            instead of one per elementwise operation (:func:`dense_adagrad`): PyTorch's fused
+            instead of one per elementwise operation (:func:`~loka_job.training.dense_optimizer.dense_adagrad`): PyTorch's fused
             Adagrad, or where this PyTorch has none for the device and the job compiles
             (``compile``), the step compiled by Inductor. Same update.
         log_every, eval_every, checkpoint_every: cadences in steps (0: never / at the end).
