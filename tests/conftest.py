@@ -26,17 +26,17 @@ torch.set_num_threads(1)
 # together instead of one worker starting a minute-long job when the other has nothing left. A
 # test's position does not change what it asserts.
 LONGEST_FIRST = (
-    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 75 + 77 s compiled, 2 x 15 s
-    "tests/test_faults.py",  # 80 s, 10 runs of the entry point, all on one worker
-    "tests/test_compile.py",  # 58 s, Inductor
-    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 35 s
-    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",  # 24 s
-    "tests/test_train_job.py",  # 81 s, the other runs of the entry point
-    "tests/test_dmp_collection.py",  # 21 s, 4 runs of the entry point
-    "tests/test_torchrec_example.py",  # 19 s
-    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",  # 18 s
-    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",  # 17 s
-    "tests/test_models_dmp.py",  # 12 s
+    "tests/test_train_job.py::test_dhen_and_hstu_recipes_train_through_the_entry_point",  # 79 + 75 s compiled, 2 x 7 s
+    "tests/test_compile.py",  # 44 s, Inductor
+    "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 31 s
+    "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",  # 23 s
+    "tests/test_faults.py",  # 23 s, 10 runs of the entry point, all on one worker
+    "tests/test_train_job.py",  # 66 s, the other runs of the entry point
+    "tests/test_dmp_collection.py",  # 20 s, 4 runs of the entry point
+    "tests/test_torchrec_example.py",  # 20 s
+    "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",  # 17 s
+    "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",  # 12 s
+    "tests/test_models_dmp.py",  # 8 s
 )
 
 

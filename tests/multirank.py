@@ -1,4 +1,5 @@
-"""Spawning the ranks of a multi-rank test job, each ending the way the project's entry points do.
+"""The tests' jobs: the ranks of a multi-rank test job (:func:`spawn_ranks`), each ending the way
+the project's entry points do, and a job's command line (:func:`run_job`).
 
 A rank of a 2-rank gloo job used to die now and then with SIGABRT ("terminate called without an
 active exception") as its interpreter exited: a gloo worker thread, dropping a finished ``Work``
@@ -12,19 +13,37 @@ once per pytest process: a spawned interpreter spent about 3 s of a CI core on t
 every rank of every job. The server does nothing but import them (one thread), so a rank starts as
 clean as a spawned one and imports the test's module itself; it sees the environment that the
 server started with (the first job's of the pytest process).
+
+:func:`run_job` runs a job's command line (``python -m loka_job.train ...``, or a script) in
+processes forked from the same server, one per rank, with the environment torchrun gives each rank
+(or none, for a plain process), and returns what ``subprocess.run`` would. A test about the job
+(what it trains, writes, resumes and survives) saves the 3 s of imports per rank, and torchrun's
+own start (1.5 s); tests about the command line itself (argument errors, exit codes, the torchrun
+launch) keep running the real command.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from loka_job.training.distributed import exit_process
+from loka_job.training.distributed import _free_port, exit_process
 
-# What the ranks' test modules import (the first rank of the session waits for these).
+# What the ranks' test modules and the training job import (the first rank of the session waits for these).
 mp.set_forkserver_preload(["torch", "torch.distributed", "pytest", "loka_torchrec", "loka_job.training.distributed",
-                           "torchrec.distributed.model_parallel"])  # fmt: skip
+                           "torchrec.distributed.model_parallel", "hydra", "loka_job.baselines", "loka_job.models",
+                           "loka_job.training.data", "loka_job.training.trainer"])  # fmt: skip
 
 
 def spawn_ranks(fn: Callable, args: Sequence, nprocs: int) -> None:
@@ -37,3 +56,69 @@ def spawn_ranks(fn: Callable, args: Sequence, nprocs: int) -> None:
 def _rank(rank: int, fn: Callable, args: tuple) -> None:
     fn(rank, *args)
     exit_process(0)
+
+
+def run_job(
+    command: Sequence[str], *, env: Mapping[str, str], cwd, nproc: Optional[int] = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """What ``subprocess.run([sys.executable, *command], env=env, cwd=cwd, capture_output=True,
+    text=True, timeout=timeout)`` returns, ``command`` being ``["-m", module, *args]`` or
+    ``[script, *args]``; with ``nproc``, what ``torchrun --standalone --nproc_per_node=nproc``
+    returns instead (every rank's output, rank 0's first, and the first failing rank's exit code).
+
+    Each rank is forked from the forkserver and gets ``env`` as its whole environment (plus
+    torchrun's rank variables), ``cwd``, and its own ``sys.argv``; then the module or script runs
+    as ``__main__``. As with torchrun, a failing rank ends the others.
+    """
+    ranks = nproc or 1
+    envs = [dict(env) for _ in range(ranks)]
+    if nproc:
+        port = str(_free_port())
+        for rank, rank_env in enumerate(envs):
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _job_rank, args=(list(command), envs, str(cwd), out_dir), nprocs=ranks, join=False, start_method="forkserver"
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for process in context.processes:
+                        process.kill()
+                        process.join()
+                    raise subprocess.TimeoutExpired(command, timeout)
+        except mp.ProcessExitedException:
+            pass  # a rank failed, and join() ended the others
+        code = next((p.exitcode for p in context.processes if p.exitcode), 0)
+
+        def output(stream):
+            return "".join(Path(out_dir, f"rank{r}.{stream}").read_text() for r in range(ranks))
+
+        return subprocess.CompletedProcess(command, code, output("out"), output("err"))
+
+
+def _job_rank(rank: int, command: list, envs: list, cwd: str, out_dir: str) -> None:
+    os.environ.clear()
+    os.environ.update(envs[rank])
+    # A new interpreter's start method (fork), not the forkserver that started this process: loader
+    # workers forked by the job end with it, while the forkserver's would outlive the job.
+    multiprocessing.set_start_method(None, force=True)
+    if os.environ.get("PYTHONWARNINGS") == "ignore":  # read by a new interpreter only
+        warnings.simplefilter("ignore")
+    for fd, stream in ((1, "out"), (2, "err")):  # the process's own descriptors: C++ output too
+        with open(os.path.join(out_dir, f"rank{rank}.{stream}"), "w") as f:
+            os.dup2(f.fileno(), fd)
+    os.chdir(cwd)
+    try:
+        if command[0] == "-m":
+            sys.argv = command[1:]
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = command
+            sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
+            runpy.run_path(command[0], run_name="__main__")
+    except Exception:  # as the interpreter does: the traceback to stderr and exit code 1
+        traceback.print_exc()
+        sys.exit(1)

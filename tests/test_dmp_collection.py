@@ -113,6 +113,7 @@ def test_two_rank_job_under_dmp_collection_keeps_replicas_in_sync(tmp_path):
         "train.sharding_group_size=1",
         "loka.enabled=false",
         base=base,
+        torchrun=True,
     )
     assert "2D sharding      DMPCollection" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -4,21 +4,21 @@ files, and inf/NaN in a batch, a weight and a gradient, through the real entry p
 Each case asserts what a user relies on: the logs stay readable, nothing silently wrong comes
 out (a skipped step is counted, a run that cannot go on stops with a non-zero exit and a message
 naming the step and the last good checkpoint), and a resumed deterministic run ends exactly as
-the uninterrupted one. Faults are injected by ``tests/fault_job.py`` (``LOKA_FAULT``).
+the uninterrupted one. Faults are injected by ``tests/fault_job.py`` (``LOKA_FAULT``), whose
+processes are forked from the tests' forkserver (tests/multirank.run_job): a plain process, or
+ranks with torchrun's environment.
 """
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
+from multirank import run_job
 from small_job import SMALL_DLRM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 SMALL = [
     *SMALL_DLRM,
@@ -31,14 +31,11 @@ SMALL = [
 
 def job(run_dir, *overrides, fault="", nproc=1, expect_ok=True):
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOKA_FAULT=fault)
-    if nproc == 1:
-        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-            env.pop(key, None)
-        cmd = [sys.executable, os.path.join(HERE, "fault_job.py"), *SMALL, *overrides]
-    else:
-        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", os.path.join(HERE, "fault_job.py"), *SMALL, *overrides]
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
     os.makedirs(run_dir, exist_ok=True)
-    proc = subprocess.run(cmd, cwd=str(run_dir), env=env, capture_output=True, text=True, timeout=300)
+    command = [os.path.join(HERE, "fault_job.py"), *SMALL, *overrides]
+    proc = run_job(command, env=env, cwd=run_dir, nproc=None if nproc == 1 else nproc, timeout=300)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     _assert_logs_readable(run_dir)

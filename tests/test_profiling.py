@@ -4,8 +4,6 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from loka_job.training.profiling import (
     summarize_events,
 )
 from loka_job.training.trainer import TrainConfig
+from multirank import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -241,18 +240,19 @@ def test_train_config_validates_the_profile_window():
 
 @pytest.mark.slow
 def test_training_job_writes_its_profile(tmp_path):
-    """One process on the CPU, 6 steps with every GEMM in FP8; steps 3 and 4 profiled, not timed."""
+    """One process on the CPU (forked from the tests' forkserver: tests/multirank.run_job), 6 steps
+    with every GEMM in FP8; steps 3 and 4 profiled, not timed."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
         env.pop(var, None)
-    cmd = [
-        sys.executable, "-m", "loka_job.train", "device=cpu", "data.num_tables=4", "data.num_embeddings=1000",
+    command = [
+        "-m", "loka_job.train", "device=cpu", "data.num_tables=4", "data.num_embeddings=1000",
         "data.embedding_dim=32", "model.dense_arch_layer_sizes=[64,32]", "model.over_arch_layer_sizes=[64,32,1]",
         "data.batch_size=128", "data.eval_batches=2", "train.progress_bar=false", "train.log_every=2",
         "train.steps=6", "train.profile_start=3", "train.profile_steps=2", "loka.dispatch.mode=all:scaled_mm:rowwise",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_job(command, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((run_dir / "rank0" / "profile.json").read_text())
     assert report["steps"] == [3, 4]
