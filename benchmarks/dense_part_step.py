@@ -79,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run after timing (0: none)")
+    p.add_argument("--top-kernels", type=int, default=40, help="kernel names listed per profiled run")
     p.add_argument("--out", required=True, help="output path without extension")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
@@ -189,9 +190,10 @@ def make(run: str, args, device) -> nn.Module:
     return torch.compile(model, mode=mode, fullgraph=not run.startswith("torchao"))
 
 
-def profile_steps(step: Callable[[], None], steps: int, out_dir: str) -> Dict[str, float]:
-    """Device ms per step by kernel category over ``steps`` profiled steps (the job's categories)."""
-    profiler = StepProfiler(1, steps, device=torch.device("cuda"), out_dir=out_dir)
+def profile_steps(step: Callable[[], None], steps: int, out_dir: str, top: int = 40) -> Dict[str, float]:
+    """Device ms per step by kernel category over ``steps`` profiled steps (the job's categories),
+    and the ``top`` kernels with the most time."""
+    profiler = StepProfiler(1, steps, device=torch.device("cuda"), out_dir=out_dir, top=top)
     for i in range(1, steps + 1):
         profiler.before_step(i)
         step()
@@ -225,7 +227,7 @@ def main(argv=None) -> int:
             times = call_times_ms(step, reps=args.steps, device=device, warmup=args.warmup)
             results[run] = {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
             if args.profile_steps:
-                results[run]["profile"] = profile_steps(step, args.profile_steps, f"{args.out}-profiles/{run}")
+                results[run]["profile"] = profile_steps(step, args.profile_steps, f"{args.out}-profiles/{run}", args.top_kernels)
         except Exception as exc:  # noqa: BLE001 - one failing run is recorded, the others still run
             results[run] = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
         print(f"[dense] {run}: {results[run]}", flush=True)

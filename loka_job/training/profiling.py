@@ -320,10 +320,12 @@ class StepProfiler:
             operators otherwise.
         out_dir: the rank's folder.
         export_trace: also write the Chrome trace (large: tens of MB per step on a GPU model).
+        top: how many kernel names the report's ``top_kernels`` lists.
     """
 
     def __init__(
-        self, first_step: int, num_steps: int, *, device: torch.device, out_dir: str, export_trace: bool = False
+        self, first_step: int, num_steps: int, *, device: torch.device, out_dir: str, export_trace: bool = False,
+        top: int = TOP_KERNELS,
     ) -> None:
         if first_step < 1:
             raise ValueError(f"first_step: must be >= 1, got {first_step}")
@@ -334,6 +336,7 @@ class StepProfiler:
         self.device = torch.device(device)
         self.out_dir = out_dir
         self.export_trace = export_trace
+        self.top = top
         self.report: Optional[Dict[str, Any]] = None
         self._profile = None
         self._t0 = 0.0
@@ -382,10 +385,12 @@ class StepProfiler:
             return None
         events = prof.events()
         if self.cuda:
-            report = summarize_events(_device_kernels(events), classify=classify_kernel, num_steps=self._steps_done, wall_ms=wall_ms)
+            report = summarize_events(_device_kernels(events), classify=classify_kernel, num_steps=self._steps_done, wall_ms=wall_ms,
+                                      top=self.top)
             source = "cuda kernels"
         else:
-            report = summarize_events(_cpu_operators(events), classify=classify_cpu_op, num_steps=self._steps_done, wall_ms=wall_ms)
+            report = summarize_events(_cpu_operators(events), classify=classify_cpu_op, num_steps=self._steps_done, wall_ms=wall_ms,
+                                      top=self.top)
             source = "cpu operators (self time)"
         path = os.path.join(self.out_dir, "profile.json")
         self.report = {
