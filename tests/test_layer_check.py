@@ -1,6 +1,5 @@
 """The layer check: planned FP8 layers that are not faster as a whole (fwd + bwd) go back to bf16."""
 
-import dataclasses
 import json
 
 import pytest
@@ -10,11 +9,9 @@ from torch import nn
 import loka_torchrec
 from loka_torchrec.dispatch import DispatchConfig, LayerKernels
 from loka_torchrec.dispatch import layer_check
-from loka_torchrec.dispatch.layer_check import (
-    LayerTiming, check_plan_layers, shared_alternatives, time_layer_variants,
-)  # fmt: skip
+from loka_torchrec.dispatch.layer_check import LayerTiming, check_plan_layers, time_layer_step
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
-from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice
+from loka_torchrec.evidence import BF16, GemmRole, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 
 FP8 = KernelChoice("scaled_mm", "rowwise")
@@ -22,10 +19,6 @@ FP8 = KernelChoice("scaled_mm", "rowwise")
 
 def _interval(ms, spread=0.0):
     return Interval(ms, ms - spread, ms + spread, 5, "iqr")
-
-
-def _as_variants(timing: LayerTiming):
-    return {"planned": timing.fp8_ms, "bf16": timing.bf16_ms}
 
 
 def _plan(layers):
@@ -42,12 +35,11 @@ def _model_layers(model):
     return {name: m for name, m in model.named_modules() if hasattr(m, "set_kernels")}
 
 
-def test_time_layer_variants_times_fp8_and_bf16_on_cpu():
-    times = time_layer_variants(
-        32, 16, 64, {"fp8": LayerKernels.uniform(FP8)}, bias=True, device=torch.device("cpu"), weight_dtype=torch.float32,
+def test_time_layer_step_times_both_variants_on_cpu():
+    timing = time_layer_step(
+        32, 16, 64, LayerKernels.uniform(FP8), bias=True, device=torch.device("cpu"), weight_dtype=torch.float32,
         input_dtype=torch.float32, autocast_dtype=None, grad_format=Fp8Format.E4M3, reps=3, warmup=1,
     )
-    timing = LayerTiming(times["fp8"], times["bf16"])
     for interval in (timing.fp8_ms, timing.bf16_ms):
         assert interval.n == 3 and 0 < interval.low <= interval.value <= interval.high
     assert timing.speedup == pytest.approx(timing.bf16_ms.value / timing.fp8_ms.value)
@@ -58,19 +50,19 @@ def test_timing_leaves_the_global_random_stream_alone():
     torch.manual_seed(123)
     expected = torch.rand(4)
     torch.manual_seed(123)
-    time_layer_variants(
-        16, 8, 8, {"fp8": LayerKernels.uniform(FP8)}, bias=True, device=torch.device("cpu"), weight_dtype=torch.float32,
+    time_layer_step(
+        16, 8, 8, LayerKernels.uniform(FP8), bias=True, device=torch.device("cpu"), weight_dtype=torch.float32,
         input_dtype=torch.float32, autocast_dtype=None, grad_format=Fp8Format.E4M3, reps=1, warmup=1,
     )
     assert torch.equal(torch.rand(4), expected)
 
 
-def test_time_layer_variants_under_bf16_autocast():
-    times = time_layer_variants(
-        32, 16, 64, {"fp8": LayerKernels.uniform(FP8)}, bias=False, device=torch.device("cpu"), weight_dtype=torch.float32,
+def test_time_layer_step_under_bf16_autocast():
+    timing = time_layer_step(
+        32, 16, 64, LayerKernels.uniform(FP8), bias=False, device=torch.device("cpu"), weight_dtype=torch.float32,
         input_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16, grad_format=Fp8Format.E4M3, reps=2, warmup=1,
     )
-    assert times["fp8"].value > 0 and times["bf16"].value > 0
+    assert timing.fp8_ms.value > 0 and timing.bf16_ms.value > 0
 
 
 def test_slower_layers_go_back_to_bf16_faster_ones_stay(monkeypatch):
@@ -83,11 +75,11 @@ def test_slower_layers_go_back_to_bf16_faster_ones_stay(monkeypatch):
     fake = {16: LayerTiming(_interval(1.0, 0.05), _interval(2.0, 0.05)), 32: LayerTiming(_interval(2.0), _interval(1.0))}
     calls = []
 
-    def fake_time(in_features, out_features, rows, variants, **kwargs):
+    def fake_time(in_features, out_features, rows, kernels, **kwargs):
         calls.append((in_features, out_features, rows, kwargs["input_dtype"], kwargs["autocast_dtype"]))
-        return _as_variants(fake[in_features])
+        return fake[in_features]
 
-    monkeypatch.setattr(layer_check, "time_layer_variants", fake_time)
+    monkeypatch.setattr(layer_check, "time_layer_step", fake_time)
     plan = _plan({names[0]: (16, 32, 10, FP8), names[1]: (32, 8, 10, FP8), names[2]: (8, 4, 10, BF16)})
     checked, records = check_plan_layers(plan, layers, min_speedup=1.05, reps=3, grad_format=Fp8Format.E4M3)
     assert sorted(calls) == [(16, 32, 10, torch.float32, None), (32, 8, 10, torch.float32, None)]  # bf16 layer not timed
@@ -104,8 +96,7 @@ def test_slower_layers_go_back_to_bf16_faster_ones_stay(monkeypatch):
 
 def test_gate_uses_the_conservative_bound(monkeypatch):
     # Point speedup 1.1x, but the quartiles overlap: bf16 lo 1.0 / fp8 hi 1.0 = 1.0x < 1.05.
-    timing = LayerTiming(_interval(1.0, 0.0), Interval(1.1, 1.0, 1.2, 5, "iqr"))
-    monkeypatch.setattr(layer_check, "time_layer_variants", lambda *a, **k: _as_variants(timing))
+    monkeypatch.setattr(layer_check, "time_layer_step", lambda *a, **k: LayerTiming(_interval(1.0, 0.0), Interval(1.1, 1.0, 1.2, 5, "iqr")))
     model = nn.Sequential(nn.Linear(16, 8))
     layers = _model_layers(model)
     model(torch.randn(4, 16))
@@ -121,7 +112,7 @@ def test_layers_of_one_size_are_timed_once(monkeypatch):
     layers = _model_layers(model)
     model(torch.randn(6, 16))
     calls = []
-    monkeypatch.setattr(layer_check, "time_layer_variants", lambda *a, **k: calls.append(a) or _as_variants(LayerTiming(_interval(1.0), _interval(3.0))))
+    monkeypatch.setattr(layer_check, "time_layer_step", lambda *a, **k: calls.append(a) or LayerTiming(_interval(1.0), _interval(3.0)))
     plan = _plan({name: (16, 16, 6, FP8) for name in layers})
     checked, records = check_plan_layers(plan, layers, min_speedup=1.05, reps=3, grad_format=Fp8Format.E4M3)
     assert len(calls) == 1 and len(records) == 3 and checked.fp8_gemm_count() == 9
@@ -179,93 +170,3 @@ def test_layer_records_input_and_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         layer(torch.randn(3, 8))
     assert layer.last_autocast_dtype == torch.bfloat16
-
-
-TENSORWISE, ROWWISE = KernelChoice("scaled_mm", "tensorwise"), KernelChoice("fbgemm", "rowwise")
-
-
-def _evidence(role, choice, mere, ms, *, baseline_ms=2.0, note="", noise=None):
-    return CandidateEvidence(
-        "lin", role, choice, GemmShape(8, 16, 8), Interval(mere, mere, mere, 4, "t95"), _interval(ms), _interval(baseline_ms),
-        "probe", note=note, noise_ratio=None if noise is None else Interval(noise, noise, noise, 4, "t95"),
-    )
-
-
-def _mixed_layer_plan():
-    """fwd and dgrad chose tensorwise, wgrad rowwise (faster alone); tensorwise is accurate in every role."""
-    considered = {
-        GemmRole.FORWARD: (_evidence(GemmRole.FORWARD, TENSORWISE, 0.01, 1.0), _evidence(GemmRole.FORWARD, ROWWISE, 0.01, 1.2)),
-        GemmRole.GRAD_INPUT: (_evidence(GemmRole.GRAD_INPUT, TENSORWISE, 0.01, 1.0), _evidence(GemmRole.GRAD_INPUT, ROWWISE, 0.5, 0.9)),
-        GemmRole.GRAD_WEIGHT: (_evidence(GemmRole.GRAD_WEIGHT, TENSORWISE, 0.01, 1.1), _evidence(GemmRole.GRAD_WEIGHT, ROWWISE, 0.01, 1.0)),
-    }
-    chosen = {GemmRole.FORWARD: TENSORWISE, GemmRole.GRAD_INPUT: TENSORWISE, GemmRole.GRAD_WEIGHT: ROWWISE}
-    roles = {
-        role: RoleDecision(chosen[role], "policy", "policy/probe", next(e for e in ev if e.candidate == chosen[role]), ev)
-        for role, ev in considered.items()
-    }
-    return LayerPlan("lin", 16, 8, 8, roles)
-
-
-def test_shared_alternatives_run_one_candidate_where_it_is_accurate():
-    alternatives = shared_alternatives(_mixed_layer_plan(), max_mere=0.2)
-    # tensorwise in all three roles (saves 1 + 1 + 0.9 ms by its evidence), rowwise where accurate
-    # (fwd and wgrad; its dgrad MERE 0.5 fails), dgrad then bf16; ranked by the time saved.
-    assert alternatives == [LayerKernels(TENSORWISE, TENSORWISE, TENSORWISE), LayerKernels(ROWWISE, BF16, ROWWISE)]
-    assert shared_alternatives(_mixed_layer_plan(), max_mere=0.2, limit=1) == alternatives[:1]
-    assert shared_alternatives(_mixed_layer_plan(), max_mere=0.005) == []  # nothing accurate: nothing to time
-
-
-def test_shared_alternatives_respect_exclusions_and_the_noise_gate():
-    plan = _mixed_layer_plan()
-    wgrad = plan.roles[GemmRole.GRAD_WEIGHT]
-    gated = (_evidence(GemmRole.GRAD_WEIGHT, TENSORWISE, 0.01, 1.1, noise=0.5), _evidence(GemmRole.GRAD_WEIGHT, ROWWISE, 0.01, 1.0, note="excluded: shape"))
-    plan = dataclasses.replace(plan, roles={**plan.roles, GemmRole.GRAD_WEIGHT: dataclasses.replace(wgrad, considered=gated)})
-    # the noise ratio 0.5 fails a 0.1 gate: tensorwise runs fwd and dgrad only; excluded rowwise never counts
-    assert shared_alternatives(plan, max_mere=0.2, max_noise_ratio=0.1) == [
-        LayerKernels(TENSORWISE, TENSORWISE, BF16), LayerKernels(ROWWISE, BF16, BF16)
-    ]
-    # with the noise gate off, tensorwise covers wgrad too
-    assert shared_alternatives(plan, max_mere=0.2)[0] == LayerKernels.uniform(TENSORWISE)
-
-
-@pytest.mark.parametrize("shared_ms, expect_shared", [(0.8, True), (1.2, False)])
-def test_check_keeps_the_fastest_variant(monkeypatch, shared_ms, expect_shared):
-    model = nn.Sequential(nn.Linear(16, 8))
-    layers = _model_layers(model)
-    model(torch.randn(8, 16))
-    name = next(iter(layers))
-    layer_plan = dataclasses.replace(_mixed_layer_plan(), layer=name)
-    plan = DispatchPlan({name: layer_plan}, "policy", 3, "cpu", {"min_speedup": 1.05, "max_mere": 0.2})
-    seen = {}
-
-    def fake_time(in_features, out_features, rows, variants, **kwargs):
-        seen.update(variants)
-        times = {v: _interval(shared_ms if v == "shared 0" else 1.6, 0.01) for v in variants}
-        return {**times, "planned": _interval(1.0, 0.01), "bf16": _interval(2.0, 0.01)}
-
-    monkeypatch.setattr(layer_check, "time_layer_variants", fake_time)
-    checked, records = check_plan_layers(plan, layers, min_speedup=1.05, reps=3, grad_format=Fp8Format.E4M3)
-    assert seen["planned"] == layer_plan.kernels and seen["shared 0"] == LayerKernels.uniform(TENSORWISE)
-    assert len(records[0]["variants"]) == 3 and records[0]["shared"] is expect_shared and records[0]["kept_fp8"]
-    result = checked.layers[name]
-    if not expect_shared:
-        assert result == layer_plan
-        return
-    assert result.kernels == LayerKernels.uniform(TENSORWISE) and records[0]["fp8_ms"] == pytest.approx(0.8)
-    for role, decision in result.roles.items():
-        assert decision.source == "policy/layer_check" and "one kernel for the layer" in decision.reason
-        assert decision.evidence is not None and decision.evidence.candidate == TENSORWISE and decision.evidence.role == role
-        assert decision.considered == layer_plan.roles[role].considered
-
-
-def test_time_layer_variants_times_each_variant_and_bf16_on_cpu():
-    variants = {"a": LayerKernels.uniform(FP8), "b": LayerKernels(FP8, BF16, BF16)}
-    times = time_layer_variants(
-        16, 8, 32, variants, bias=False, device=torch.device("cpu"), weight_dtype=torch.float32,
-        input_dtype=torch.float32, autocast_dtype=None, grad_format=Fp8Format.E4M3, reps=2, warmup=1,
-    )
-    assert set(times) == {"a", "b", "bf16"} and all(t.n == 2 and t.value > 0 for t in times.values())
-    with pytest.raises(ValueError, match="variants"):
-        time_layer_variants(16, 8, 32, {"bf16": LayerKernels()}, bias=False, device=torch.device("cpu"),
-                            weight_dtype=torch.float32, input_dtype=torch.float32, autocast_dtype=None,
-                            grad_format=Fp8Format.E4M3, reps=1)  # fmt: skip

@@ -16,19 +16,9 @@ kernels per GEMM, every layer with an FP8 GEMM is timed as a training step sees 
   ``dispatch.compiled``, where the compiled step with CUDA graphs pays no host launch time, the
   device time of each variant's forward + backward replayed as a CUDA graph.
 
-**One kernel for the layer.** Per GEMM the policy picks the fastest accurate kernel, and the three
-picks may differ (say tensorwise for forward and grad-input, rowwise for grad-weight). A layer
-whose GEMMs share one recipe shares their quantizations: a tensorwise ``x`` quantized for the
-forward is, transposed, grad-weight's operand too, while a rowwise grad-weight needs ``x^T`` and
-``dy^T`` quantized again along the other axis. That saving exists only in the whole layer, so the
-check times, beside the policy's choice, up to :data:`MAX_SHARED_ALTERNATIVES` layers that run
-one candidate in every role where that candidate passes the accuracy gate (the plan's
-``max_mere`` and ``max_grad_noise_ratio``; roles where it does not stay bf16), the candidates
-ranked by the GEMM time their evidence says they save. The fastest FP8 variant is the layer's.
-
-The layer keeps FP8 only if that variant's conservative speedup (bf16's 25th percentile over its
-75th) reaches ``dispatch.min_speedup``; otherwise all three GEMMs go back to bf16, and the reason,
-with the times, is written into the plan. Layers of identical size, kernels and alternatives are
+The layer keeps its FP8 kernels only if the speedup's conservative bound (bf16's 25th percentile
+over FP8's 75th) reaches ``dispatch.min_speedup``; otherwise all three GEMMs go back to bf16, and
+the reason, with both times, is written into the plan. Layers of identical size and kernels are
 timed once.
 """
 
@@ -37,25 +27,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
-from loka_torchrec.dispatch.policy import passes_accuracy_gate, usable
-from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, Interval, KernelChoice
+from loka_torchrec.evidence import BF16, GemmRole, Interval
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.gemm.intervals import iqr_interval
 from loka_torchrec.gemm.measure import release_generator
 
-__all__ = ["LayerTiming", "time_layer_variants", "shared_alternatives", "check_plan_layers"]
+__all__ = ["LayerTiming", "time_layer_step", "check_plan_layers"]
 
 SOURCE = "policy/layer_check"
-MAX_SHARED_ALTERNATIVES = 3
-"""How many one-candidate layers the check times beside the policy's per-GEMM choice."""
-_ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +61,11 @@ class LayerTiming:
         return self.bf16_ms.low / self.fp8_ms.high if self.fp8_ms.high > 0 else float("inf")
 
 
-def time_layer_variants(
+def time_layer_step(
     in_features: int,
     out_features: int,
     rows: int,
-    variants: Dict[str, LayerKernels],
+    kernels: LayerKernels,
     *,
     bias: bool,
     device: torch.device,
@@ -91,40 +77,36 @@ def time_layer_variants(
     warmup: int = 3,
     seed: int = 0,
     device_time: bool = False,
-) -> Dict[str, Interval]:
-    """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer under each
-    of ``variants`` and in high precision, interleaved repetition by repetition.
+) -> LayerTiming:
+    """Time forward + backward of a ``(rows, in_features) -> (rows, out_features)`` layer, FP8 vs bf16.
 
     Args:
-        variants: name -> kernels; the result adds ``"bf16"``, every GEMM in high precision
-            (``nn.Linear``'s path).
+        kernels: the planned kernels (at least one FP8 GEMM, or both variants are the same).
         bias: whether the layer has a bias.
         weight_dtype: the master weight's dtype (fp32 under autocast).
         input_dtype: the dtype of the layer's input as it arrives.
         autocast_dtype: the forward runs under ``torch.autocast`` with this dtype (``None``: off).
         reps: timed repetitions per variant (interleaved); ``warmup`` untimed ones first.
-        device_time: on CUDA, time each variant's forward + backward captured in a CUDA graph
+        device_time: on CUDA, time both variants' forward + backward captured in CUDA graphs
             (device time, no host launch time), as a compiled step with CUDA graphs pays them;
-            falls back to wall time if a variant cannot be captured. The FP8 variants' operands
+            falls back to wall time if a variant cannot be captured. The FP8 variant's operands
             are quantized by the fused one-pass kernel, as Inductor fuses them in a compiled step
             (there even into the producing op, so the check errs on bf16's side); compiling each
             checked layer instead would cost seconds per shape in the planning step.
 
     Returns:
-        Median and inter-quartile range of each variant's time per repetition (ms), by name.
+        Median and inter-quartile range of both variants' wall time per repetition, in ms.
     """
-    if "bf16" in variants:
-        raise ValueError("variants: the name 'bf16' is the high-precision reference's")
     gen = torch.Generator(device=device).manual_seed(seed)
     # The scratch layers' initialization must not move the training's random streams (only rank 0
     # runs the check; a dropout mask drawn later would otherwise depend on it).
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        layers = {
+        variants = {
             name: LokaLinear(
                 in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
                 kernels=layer_kernels, grad_format=grad_format,
             )
-            for name, layer_kernels in (*variants.items(), ("bf16", LayerKernels()))
+            for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
         }
     x = torch.randn(rows, in_features, generator=gen, device=device, dtype=torch.float32).to(input_dtype)
     x.requires_grad_(True)
@@ -152,15 +134,17 @@ def time_layer_variants(
         return elapsed
 
     for _ in range(warmup):
-        for layer in layers.values():
+        for layer in variants.values():
             one_step(layer)
-    times = _replayed_step_times(layers, x, dy, autocast_dtype, reps) if device_time and cuda else None
-    if times is None:
-        times = {name: [] for name in layers}
-        for _ in range(reps):
-            for name, layer in layers.items():
-                times[name].append(one_step(layer))
-    return {name: iqr_interval(t) for name, t in times.items()}
+    if device_time and cuda:
+        replayed = _replayed_step_times(variants, x, dy, autocast_dtype, reps)
+        if replayed is not None:
+            return LayerTiming(iqr_interval(replayed["fp8"]), iqr_interval(replayed["bf16"]))
+    times: Dict[str, List[float]] = {"fp8": [], "bf16": []}
+    for _ in range(reps):
+        for name, layer in variants.items():
+            times[name].append(one_step(layer))
+    return LayerTiming(iqr_interval(times["fp8"]), iqr_interval(times["bf16"]))
 
 
 def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional[Dict[str, List[float]]]:
@@ -209,33 +193,9 @@ def _replayed_step_times(variants, x, dy, autocast_dtype, reps: int) -> Optional
     return times
 
 
-def shared_alternatives(layer_plan: LayerPlan, *, max_mere: float, max_noise_ratio: float = 0.0,
-                        limit: int = MAX_SHARED_ALTERNATIVES) -> List[LayerKernels]:  # fmt: skip
-    """Layers that run one FP8 candidate in every role where it passes the accuracy gate.
-
-    From the evidence each role's decision considered: per candidate, the roles where it is usable
-    and accurate (:func:`~loka_torchrec.dispatch.policy.passes_accuracy_gate`); those roles on it,
-    the others bf16. Variants equal to the plan's own kernels are left out; at most ``limit``,
-    ranked by the GEMM time their evidence says they save over bf16 (most first).
-    """
-    accurate: Dict[KernelChoice, Dict[GemmRole, CandidateEvidence]] = {}
-    for role, decision in layer_plan.roles.items():
-        for e in decision.considered:
-            if usable(e) and passes_accuracy_gate(e, max_mere=max_mere, max_noise_ratio=max_noise_ratio):
-                accurate.setdefault(KernelChoice(e.candidate.backend, e.candidate.recipe), {})[role] = e
-    ranked = []
-    for choice, by_role in accurate.items():
-        kernels = LayerKernels(*(choice if role in by_role else BF16 for role in _ROLES))
-        if kernels == layer_plan.kernels:
-            continue
-        saved_ms = sum(e.baseline_time_ms.value - e.time_ms.value for e in by_role.values())
-        ranked.append((-saved_ms, str(choice), kernels))
-    return [kernels for _, _, kernels in sorted(ranked)[:limit]]
-
-
-def _timing_key(module, kernels: Tuple[LayerKernels, ...], rows: int) -> Tuple:
+def _timing_key(module, layer_plan: LayerPlan, rows: int) -> Tuple:
     return (
-        module.in_features, module.out_features, rows, module.bias is not None, kernels,
+        module.in_features, module.out_features, rows, module.bias is not None, layer_plan.kernels,
         module.weight.dtype, getattr(module, "last_input_dtype", None), getattr(module, "last_autocast_dtype", None),
     )
 
@@ -249,27 +209,24 @@ def check_plan_layers(
     grad_format: Fp8Format,
     device_time: bool = False,
 ) -> Tuple[DispatchPlan, List[dict]]:
-    """``plan`` with each FP8 layer on its fastest variant, or back in bf16 where none is faster as a whole.
+    """``plan`` with every FP8 layer that is not faster as a whole sent back to bf16.
 
     Args:
-        plan: the policy's plan (its ``gates`` give the accuracy bar of the shared-kernel alternatives;
-            a plan without ``max_mere`` gets none).
+        plan: the policy's plan.
         layers: FQN -> ``LokaLinear`` (their ``last_rows``, ``last_input_dtype`` and
             ``last_autocast_dtype`` give the shape and precision to time at).
         min_speedup: the gate on the layer's conservative speedup.
         reps: timed repetitions per variant.
-        device_time: time CUDA-graph replays (see :func:`time_layer_variants`).
+        device_time: time CUDA-graph replays (see :func:`time_layer_step`).
 
-    A layer whose variants cannot run at its shape (an error from a backend or the compiler) goes
-    back to bf16 with the error as the reason; planning goes on.
+    A layer whose FP8 variant cannot run at its shape (an error from a backend or the compiler)
+    goes back to bf16 with the error as the reason; planning goes on.
 
     Returns:
-        ``(checked_plan, records)``: one record per checked layer with the chosen variant's and
-        bf16's times (ms), the speedup, every timed variant, and whether FP8 was kept.
+        ``(checked_plan, records)``: one record per checked layer with both times (ms), the
+        speedup and whether FP8 was kept.
     """
-    max_mere = plan.gates.get("max_mere")
-    max_noise_ratio = plan.gates.get("max_grad_noise_ratio", 0.0) or 0.0
-    cache: Dict[Tuple, Any] = {}
+    cache: Dict[Tuple, LayerTiming] = {}
     records: List[dict] = []
     checked: Dict[str, LayerPlan] = {}
     for name, layer_plan in plan.layers.items():
@@ -278,61 +235,39 @@ def check_plan_layers(
             checked[name] = layer_plan
             continue
         rows = max(int(getattr(module, "last_rows", 0) or 0), 1)
-        alternatives = [] if max_mere is None else shared_alternatives(layer_plan, max_mere=max_mere, max_noise_ratio=max_noise_ratio)
-        variants = {"planned": layer_plan.kernels, **{f"shared {i}": k for i, k in enumerate(alternatives)}}
-        key = _timing_key(module, tuple(variants.values()), rows)
+        key = _timing_key(module, layer_plan, rows)
         if key not in cache:
+            device = module.weight.device
             input_dtype = getattr(module, "last_input_dtype", None) or module.weight.dtype
             try:
-                cache[key] = time_layer_variants(
-                    module.in_features, module.out_features, rows, variants,
-                    bias=module.bias is not None, device=module.weight.device, weight_dtype=module.weight.dtype,
+                cache[key] = time_layer_step(
+                    module.in_features, module.out_features, rows, layer_plan.kernels,
+                    bias=module.bias is not None, device=device, weight_dtype=module.weight.dtype,
                     input_dtype=input_dtype, autocast_dtype=getattr(module, "last_autocast_dtype", None),
                     grad_format=grad_format, reps=reps, device_time=device_time,
-                )  # fmt: skip
+                )
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is excluded, not fatal
                 cache[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        times = cache[key]
-        if isinstance(times, str):
-            records.append({"layer": name, "rows": rows, "error": times, "kept_fp8": False})
-            checked[name] = _back_to_bf16(layer_plan, f"layer check: the FP8 layer failed to run at {rows} rows: {times}")
+        timing = cache[key]
+        if isinstance(timing, str):
+            records.append({"layer": name, "rows": rows, "error": timing, "kept_fp8": False})
+            checked[name] = _back_to_bf16(layer_plan, f"layer check: the FP8 layer failed to run at {rows} rows: {timing}")
             continue
-        best = min(variants, key=lambda v: times[v].value)
-        timing = LayerTiming(times[best], times["bf16"])
         keep = timing.speedup_low >= min_speedup
         records.append({
             "layer": name, "rows": rows, "fp8_ms": timing.fp8_ms.value, "bf16_ms": timing.bf16_ms.value,
             "speedup": timing.speedup, "speedup_low": timing.speedup_low, "kept_fp8": keep,
-            "kernels": variants[best].to_dict(), "shared": best != "planned",
-            "variants": [{"kernels": k.to_dict(), "ms": times[v].value} for v, k in variants.items()],
         })  # fmt: skip
         if keep:
-            checked[name] = layer_plan if best == "planned" else _on_shared(layer_plan, variants[best], times, best)
+            checked[name] = layer_plan
             continue
-        k = variants[best]
+        k = layer_plan.kernels
         reason = (
             f"layer check: fwd+bwd {timing.fp8_ms.value:.3f} ms with fwd={k.fwd}, dgrad={k.dgrad}, wgrad={k.wgrad} vs "
             f"{timing.bf16_ms.value:.3f} ms in bf16, {timing.speedup:.2f}x (lo {timing.speedup_low:.2f}x < {min_speedup})"
         )
         checked[name] = _back_to_bf16(layer_plan, reason)
     return dataclasses.replace(plan, layers=checked), records
-
-
-def _on_shared(layer_plan: LayerPlan, kernels: LayerKernels, times: Dict[str, Interval], best: str) -> LayerPlan:
-    """``layer_plan`` with its roles on the shared-kernel variant ``kernels``, each decision keeping
-    its considered evidence and the chosen candidate's own evidence."""
-    reason = (
-        f"layer check: one kernel for the layer, fwd+bwd {times[best].value:.3f} ms against "
-        f"{times['planned'].value:.3f} ms with the per-GEMM choice and {times['bf16'].value:.3f} ms in bf16"
-    )
-    roles = {}
-    for role in _ROLES:
-        choice = kernels.for_role(role)
-        decision = layer_plan.roles.get(role)
-        considered = decision.considered if decision is not None else ()
-        evidence = next((e for e in considered if str(e.candidate) == str(choice)), None)
-        roles[role] = RoleDecision(choice, reason, SOURCE, None if choice.is_high_precision else evidence, considered)
-    return dataclasses.replace(layer_plan, roles=roles)
 
 
 def _back_to_bf16(layer_plan: LayerPlan, reason: str) -> LayerPlan:

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Tuple
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole
 
-__all__ = ["decide", "decide_role", "passes_accuracy_gate", "usable"]
+__all__ = ["decide", "decide_role"]
 
 
 def decide_role(
@@ -31,8 +31,11 @@ def decide_role(
     """Pick the kernel for one GEMM from its candidates' evidence (``max_noise_ratio`` 0: the noise
     ratio gates nothing)."""
 
+    def noise_ok(e: CandidateEvidence) -> bool:
+        return max_noise_ratio <= 0 or e.noise_ratio is None or e.noise_ratio.high <= max_noise_ratio
+
     def accurate(e: CandidateEvidence) -> bool:
-        return passes_accuracy_gate(e, max_mere=max_mere, max_noise_ratio=max_noise_ratio)
+        return e.error.high < max_mere and noise_ok(e)
 
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
     excluded = [e for e in fp8 if e.note.startswith("excluded")]
@@ -67,18 +70,6 @@ def decide_role(
         best = min(fp8, key=lambda e: e.error.high)
         reason = f"none accurate enough: best {best.candidate} MERE hi {best.error.high:.4f} >= {max_mere}"
     return RoleDecision(BF16, reason, source, None, tuple(evidence))
-
-
-def passes_accuracy_gate(e: CandidateEvidence, *, max_mere: float, max_noise_ratio: float = 0.0) -> bool:
-    """The accuracy gate alone: MERE upper bound below ``max_mere`` and, where the evidence has a
-    noise ratio and ``max_noise_ratio`` > 0, its upper bound at most ``max_noise_ratio``."""
-    noise_ok = max_noise_ratio <= 0 or e.noise_ratio is None or e.noise_ratio.high <= max_noise_ratio
-    return e.error.high < max_mere and noise_ok
-
-
-def usable(e: CandidateEvidence) -> bool:
-    """An FP8 candidate whose evidence may be gated: it ran here (not excluded) and measured finite numbers."""
-    return not e.candidate.is_high_precision and not e.note.startswith("excluded") and _finite(e)
 
 
 def _finite(e: CandidateEvidence) -> bool:
