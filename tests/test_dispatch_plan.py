@@ -18,7 +18,7 @@ from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.gemm.intervals import mean_interval, t_quantile_975
 from loka_torchrec.gemm.measure import time_ms
 from loka_torchrec.dispatch.plan import PLAN_FORMAT_VERSION, DispatchPlan, LayerPlan, RoleDecision
-from loka_torchrec.dispatch.policy import decide, decide_role
+from loka_torchrec.dispatch.policy import decide, decide_role, share_quantizations
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape, Interval, KernelChoice
 
 FWD, DGRAD, WGRAD = GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT
@@ -213,6 +213,92 @@ def test_decide_makes_each_role_of_each_layer_independently():
     for role in GemmRole:
         alone = [e for e in pool if e.layer == "dense.0" and e.role == role]
         assert d0.roles[role] == decide_role(alone, source="policy/probe", **GATES)
+
+
+TENSORWISE_FAST = KernelChoice("scaled_mm", "tensorwise_fast_accum")
+FBGEMM_ROWWISE = KernelChoice("fbgemm", "rowwise")
+
+
+def _mixed_pool(**wgrad_tensorwise):
+    """fwd and dgrad pick scaled_mm tensorwise, wgrad picks FBGEMM rowwise (faster alone)."""
+    return [
+        evidence(TENSORWISE, role=FWD, time=(0.8, 0.7, 0.9)),
+        evidence(TENSORWISE, role=DGRAD, time=(0.8, 0.7, 0.9)),
+        evidence(FBGEMM_ROWWISE, role=WGRAD, time=(0.9, 0.85, 0.95)),
+        evidence(TENSORWISE, role=WGRAD, **{"time": (1.2, 1.1, 1.3), **wgrad_tensorwise}),
+    ]
+
+
+def test_share_quantizations_puts_backward_gemms_on_the_forwards_tensorwise_backend():
+    plan = decide(_mixed_pool(), {"dense.0": (64, 32, 16)}, source="policy/probe", **GATES)
+    assert plan.layers["dense.0"].kernels == LayerKernels(TENSORWISE, TENSORWISE, FBGEMM_ROWWISE)
+    shared = share_quantizations(plan, **GATES).layers["dense.0"]
+    assert shared.kernels == LayerKernels.uniform(TENSORWISE)
+    wgrad = shared.roles[WGRAD]
+    assert wgrad.evidence.candidate == TENSORWISE and wgrad.considered == plan.layers["dense.0"].roles[WGRAD].considered
+    assert wgrad.reason.startswith("shares the forward's tensorwise quantization (compiled)")
+    assert "alone fbgemm:rowwise was 2.22x" in wgrad.reason and wgrad.source == "policy/probe"
+    assert shared.roles[FWD] == plan.layers["dense.0"].roles[FWD]  # untouched
+
+
+def test_share_quantizations_takes_the_fastest_admissible_accumulation_twin():
+    pool = _mixed_pool() + [evidence(TENSORWISE_FAST, role=WGRAD, time=(1.0, 0.95, 1.05))]
+    plan = share_quantizations(decide(pool, {"dense.0": (64, 32, 16)}, source="policy/probe", **GATES), **GATES)
+    assert plan.layers["dense.0"].roles[WGRAD].choice == TENSORWISE_FAST  # same operands: shares too
+
+
+@pytest.mark.parametrize("wgrad_tensorwise, max_noise_ratio", [
+    ({"error": (0.3, 0.25, 0.35)}, 0.0),  # inaccurate
+    ({"time": (1.95, 1.9, 2.0)}, 0.0),  # not 1.05x faster than bf16
+    ({}, 0.1),  # over the noise-ratio bound (below)
+])  # fmt: skip
+def test_share_quantizations_keeps_the_own_pick_when_the_shared_kernel_fails_a_gate(wgrad_tensorwise, max_noise_ratio):
+    pool = _mixed_pool(**wgrad_tensorwise)
+    if max_noise_ratio:
+        pool[-1] = dataclasses.replace(pool[-1], noise_ratio=Interval(0.2, 0.15, 0.3, 6, "t95"))
+    gates = dict(GATES, max_noise_ratio=max_noise_ratio)
+    plan = decide(pool, {"dense.0": (64, 32, 16)}, source="policy/probe", **gates)
+    assert share_quantizations(plan, **gates) == plan
+
+
+def test_share_quantizations_needs_a_tensorwise_forward_and_leaves_bf16_roles():
+    rowwise_fwd = [
+        evidence(ROWWISE, role=FWD, time=(0.8, 0.7, 0.9)),
+        evidence(TENSORWISE, role=FWD, time=(0.9, 0.85, 0.95)),
+        evidence(FBGEMM_ROWWISE, role=WGRAD, time=(0.9, 0.85, 0.95)),
+        evidence(TENSORWISE, role=WGRAD, time=(1.2, 1.1, 1.3)),
+    ]
+    plan = decide(rowwise_fwd, {"dense.0": (64, 32, 16)}, source="policy/probe", **GATES)
+    assert share_quantizations(plan, **GATES) == plan  # forward rowwise: nothing to share
+    other_backend = [evidence(TENSORWISE, role=FWD), evidence(FBGEMM_ROWWISE, role=WGRAD),
+                     evidence(KernelChoice("fbgemm", "tensorwise"), role=WGRAD, time=(1.2, 1.1, 1.3))]  # fmt: skip
+    plan = decide(other_backend, {"dense.0": (64, 32, 16)}, source="policy/probe", **GATES)
+    assert share_quantizations(plan, **GATES) == plan  # another backend's tensorwise shares nothing
+    # dgrad has no evidence: it stays bf16
+    assert share_quantizations(plan, **GATES).layers["dense.0"].roles[DGRAD].choice == BF16
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compiled_dispatch_shares_quantizations(compiled, monkeypatch):
+    import loka_torchrec
+    import loka_torchrec.dispatch.dispatcher as dispatcher_module
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 16))
+    cfg = DispatchConfig(mode="policy", plan_at_step=1, samples=2, timing_reps=1, layer_check_reps=2, compiled=compiled)
+    report = loka_torchrec.apply(model, cfg)
+    name = next(iter(report.dispatcher.plan.layers))
+    pool = [dataclasses.replace(e, layer=name) for e in _mixed_pool()]
+    real_decide = dispatcher_module.decide
+    monkeypatch.setattr(dispatcher_module, "decide", lambda evidence, sizes, **kw: real_decide(pool, sizes, **kw))
+    checked = []  # the layer check sees the per-GEMM picks; the sharing comes after it (compiled)
+    monkeypatch.setattr(report.dispatcher, "_check_layers", lambda plan, step: checked.append(plan) or plan)
+    model(torch.randn(64, 32)).sum().backward()
+    report.dispatcher.on_step_end(1)
+    per_gemm = LayerKernels(TENSORWISE, TENSORWISE, FBGEMM_ROWWISE)
+    assert [p.layers[name].kernels for p in checked] == [per_gemm]
+    expected = LayerKernels.uniform(TENSORWISE) if compiled else per_gemm
+    assert report.dispatcher.plan.layers[name].kernels == expected
 
 
 # ------------------------------------------------------------------------------------- DispatchPlan

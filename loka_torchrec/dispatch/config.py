@@ -74,7 +74,9 @@ class DispatchConfig:
             ``train.compile``). Candidates whose kernels do not trace (a backend's
             ``compile_recipes``) are left out with the reason, and on CUDA GEMM candidates and the
             layer check are timed as the compiled step with CUDA graphs runs them: as CUDA-graph
-            replays (device time, no host launch gaps), with one-pass fused quantization.
+            replays (device time, no host launch gaps), with one-pass fused quantization; and
+            grad-input and grad-weight prefer the forward's tensorwise backend where it passes
+            the gates (its quantizations are shared: :func:`~loka_torchrec.dispatch.policy.share_quantizations`).
     """
 
     mode: str = "policy"

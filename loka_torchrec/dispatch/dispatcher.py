@@ -31,7 +31,7 @@ from loka_torchrec.dispatch.grad_check import check_plan_gradients
 from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
-from loka_torchrec.dispatch.policy import decide
+from loka_torchrec.dispatch.policy import decide, share_quantizations
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
 from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
@@ -188,6 +188,13 @@ class Dispatcher(EvidenceConsumer):
             if self.config.layer_check_reps > 0:
                 plan = self._check_layers(plan, step)
             self.seconds["layer_check"] += time.perf_counter() - t1
+            if self.config.compiled:
+                # After the layer check: it decides FP8 against bf16 per layer, timing eager layers,
+                # where a tensorwise operand pays a quantization that the compiled step fuses and shares.
+                plan = share_quantizations(
+                    plan, max_mere=self.config.max_mere, min_speedup=self.config.min_speedup,
+                    max_noise_ratio=self.config.max_grad_noise_ratio,
+                )
         plan = self._annotated(self._broadcast(plan))
         self.plan = plan
         self._guard.restart()

@@ -12,6 +12,16 @@ For each layer and role, a candidate is *admissible* when
 The admissible candidate with the highest point speedup wins; with none, the GEMM stays in bf16
 and the reason names the best rejected candidate and the gate it failed. Forward, grad-input and
 grad-weight are decided independently.
+
+**Compiled jobs share quantizations** (:func:`share_quantizations`): a layer whose three GEMMs use
+tensorwise operands of one backend quantizes each tensor once, the forward's FP8 ``x`` and ``W``
+serving grad-weight and grad-input transposed and grad-input's FP8 ``dy`` serving grad-weight
+(:mod:`loka_torchrec.dispatch.linear`); Inductor fuses those casts into their producers. A
+grad-weight on rowwise operands quantizes ``x`` and ``dy`` again along the other axis. Per-GEMM
+evidence charges each candidate its own quantization and cannot see that saving, so in a compiled
+job grad-input and grad-weight take the forward's tensorwise backend where one of its candidates
+passes both gates for them. Dispatch applies this after the layer check, which decides FP8 against
+bf16 per layer by timing eager layers, where tensorwise operands are not fused or shared.
 """
 
 from __future__ import annotations
@@ -19,10 +29,13 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Tuple
 
+import dataclasses
+
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole
+from loka_torchrec.gemm.recipes import split_fast_accum
 
-__all__ = ["decide", "decide_role"]
+__all__ = ["decide", "decide_role", "share_quantizations"]
 
 
 def decide_role(
@@ -31,11 +44,8 @@ def decide_role(
     """Pick the kernel for one GEMM from its candidates' evidence (``max_noise_ratio`` 0: the noise
     ratio gates nothing)."""
 
-    def noise_ok(e: CandidateEvidence) -> bool:
-        return max_noise_ratio <= 0 or e.noise_ratio is None or e.noise_ratio.high <= max_noise_ratio
-
     def accurate(e: CandidateEvidence) -> bool:
-        return e.error.high < max_mere and noise_ok(e)
+        return _accurate(e, max_mere, max_noise_ratio)
 
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
     excluded = [e for e in fp8 if e.note.startswith("excluded")]
@@ -70,6 +80,13 @@ def decide_role(
         best = min(fp8, key=lambda e: e.error.high)
         reason = f"none accurate enough: best {best.candidate} MERE hi {best.error.high:.4f} >= {max_mere}"
     return RoleDecision(BF16, reason, source, None, tuple(evidence))
+
+
+def _accurate(e: CandidateEvidence, max_mere: float, max_noise_ratio: float) -> bool:
+    """The accuracy gate: MERE upper bound below ``max_mere``; where the evidence has a noise ratio
+    and ``max_noise_ratio`` > 0, its upper bound at most ``max_noise_ratio``."""
+    noise_ok = max_noise_ratio <= 0 or e.noise_ratio is None or e.noise_ratio.high <= max_noise_ratio
+    return e.error.high < max_mere and noise_ok
 
 
 def _finite(e: CandidateEvidence) -> bool:
@@ -118,3 +135,50 @@ def decide(
         plans[name] = LayerPlan(name, in_features, out_features, rows, roles)
     gates = {"max_mere": max_mere, "min_speedup": min_speedup, "max_grad_noise_ratio": max_noise_ratio}
     return DispatchPlan(plans, mode, step, device, gates)
+
+
+def share_quantizations(plan: DispatchPlan, *, max_mere: float, min_speedup: float, max_noise_ratio: float = 0.0) -> DispatchPlan:
+    """``plan`` with grad-input and grad-weight on the forward's tensorwise backend where admissible.
+
+    For every layer whose forward runs a tensorwise recipe on backend ``b``: each of grad-input and
+    grad-weight that runs another FP8 kernel takes instead the fastest ``b`` tensorwise candidate
+    (either accumulation) that passes the same gates as :func:`decide_role`; a role in bf16, or
+    one with no such candidate, keeps its decision. For compiled jobs (see the module docstring).
+    """
+    layers = {}
+    for name, layer in plan.layers.items():
+        fwd = layer.roles.get(GemmRole.FORWARD)
+        if fwd is None or fwd.choice.is_high_precision or not _tensorwise(fwd.choice):
+            layers[name] = layer
+            continue
+        roles = dict(layer.roles)
+        for role in (GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT):
+            own = roles.get(role)
+            if own is None or own.choice.is_high_precision or _shares(own.choice, fwd.choice):
+                continue
+            sharing = [
+                e for e in own.considered
+                if _shares(e.candidate, fwd.choice) and not e.note.startswith("excluded") and _finite(e)
+                and _accurate(e, max_mere, max_noise_ratio) and e.speedup_low >= min_speedup
+            ]  # fmt: skip
+            if not sharing:
+                continue
+            best = max(sharing, key=lambda e: (e.speedup, -e.error.value))
+            alone = f"{own.evidence.speedup:.2f}x" if own.evidence is not None else "?"
+            reason = (
+                f"shares the forward's tensorwise quantization (compiled): MERE {best.error.value:.4f} "
+                f"(hi {best.error.high:.4f} < {max_mere}), {best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= "
+                f"{min_speedup}); alone {own.choice} was {alone}"
+            )
+            roles[role] = RoleDecision(best.candidate, reason, own.source, best, own.considered)
+        layers[name] = dataclasses.replace(layer, roles=roles)
+    return dataclasses.replace(plan, layers=layers)
+
+
+def _tensorwise(choice) -> bool:
+    return split_fast_accum(choice.recipe)[0] == "tensorwise"
+
+
+def _shares(choice, fwd) -> bool:
+    """Whether a GEMM on ``choice`` reuses the forward's (``fwd``) tensorwise operands."""
+    return not choice.is_high_precision and choice.backend == fwd.backend and _tensorwise(choice)
