@@ -26,10 +26,9 @@ bf16 per layer by timing eager layers, where tensorwise operands are not fused o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, Iterable, List, Tuple
-
-import dataclasses
 
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole
