@@ -19,7 +19,7 @@ Producers (DHEN xl's shapes by default: 8192 rows of 64 tokens x 256):
 * ``norm``: an RMS norm over each 256-wide token, reshaped to ``(rows, K)``.
 
 ``producer_only`` is the producer materialized in bf16, no quantization: what the bf16 step pays.
-Median of CUDA-event times over ``--reps`` calls after warm-up; one process, one GPU. Example::
+Median of CUDA-event times over ``--reps`` calls, one at a time, after warm-up; one process, one GPU. Example::
 
     python benchmarks/tensorwise_amax_layouts.py --out results/tensorwise-amax-layouts
 """
@@ -34,6 +34,8 @@ import sys
 from typing import Callable, Dict
 
 import torch
+
+from loka_torchrec.gemm.measure import call_times_ms
 
 FP8_MAX = 448.0
 VARIANTS = ("producer_only", "flat", "rows_first", "flat_tiled")
@@ -86,16 +88,8 @@ def build(kind: str, variant: str) -> Callable:
 
 
 def time_ms(fn, inputs, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn(*inputs)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn(*inputs)
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    """Median ms per call (:func:`loka_torchrec.gemm.measure.call_times_ms`: CUDA events, one call at a time)."""
+    return statistics.median(call_times_ms(lambda: fn(*inputs), reps=reps, device=torch.device("cuda"), warmup=warmup))
 
 
 def main(argv=None) -> int:

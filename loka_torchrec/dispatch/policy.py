@@ -54,7 +54,7 @@ def decide_role(
     if nonfinite and not fp8:
         reason = f"non-finite evidence: {nonfinite[0].candidate} MERE {nonfinite[0].error.value} (hi {nonfinite[0].error.high})"
         return RoleDecision(BF16, reason, source, None, tuple(evidence))
-    admissible = [e for e in fp8 if accurate(e) and e.speedup_low >= min_speedup]
+    admissible = [e for e in fp8 if _admissible(e, max_mere, min_speedup, max_noise_ratio)]
     if admissible:
         best = max(admissible, key=lambda e: (e.speedup, -e.error.value))
         noise = ""
@@ -86,6 +86,12 @@ def _accurate(e: CandidateEvidence, max_mere: float, max_noise_ratio: float) -> 
     and ``max_noise_ratio`` > 0, its upper bound at most ``max_noise_ratio``."""
     noise_ok = max_noise_ratio <= 0 or e.noise_ratio is None or e.noise_ratio.high <= max_noise_ratio
     return e.error.high < max_mere and noise_ok
+
+
+def _admissible(e: CandidateEvidence, max_mere: float, min_speedup: float, max_noise_ratio: float) -> bool:
+    """Both gates on usable evidence: not excluded, finite, accurate, and fast enough."""
+    return (not e.note.startswith("excluded") and _finite(e) and _accurate(e, max_mere, max_noise_ratio)
+            and e.speedup_low >= min_speedup)  # fmt: skip
 
 
 def _finite(e: CandidateEvidence) -> bool:
@@ -157,9 +163,8 @@ def share_quantizations(plan: DispatchPlan, *, max_mere: float, min_speedup: flo
                 continue
             sharing = [
                 e for e in own.considered
-                if _shares(e.candidate, fwd.choice) and not e.note.startswith("excluded") and _finite(e)
-                and _accurate(e, max_mere, max_noise_ratio) and e.speedup_low >= min_speedup
-            ]  # fmt: skip
+                if _shares(e.candidate, fwd.choice) and _admissible(e, max_mere, min_speedup, max_noise_ratio)
+            ]
             if not sharing:
                 continue
             best = max(sharing, key=lambda e: (e.speedup, -e.error.value))
