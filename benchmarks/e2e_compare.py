@@ -84,6 +84,7 @@ CPU smoke run (tiny model, eager runs; what ``tests/test_e2e_compare.py`` runs):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -411,7 +412,8 @@ def launch(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int, run_
     log_path = os.path.join(run_dir, "launch.log")
     t0 = time.perf_counter()
     timed_out = False
-    with open(log_path, "w") as log:
+    samples_path = os.path.join(run_dir, "gpu_samples.csv")
+    with open(log_path, "w") as log, gpu_sampler(samples_path, enabled=args.device == "cuda"):
         # cwd: the run's folder, so that `-m loka_job.train` is the installed project (or the
         # one on PYTHONPATH), never the source folder, which lacks loka_job.recipes/.kernels.
         proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -428,12 +430,69 @@ def launch(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int, run_
     summary_path = os.path.join(run_dir, "summary.json")
     if rc == 0 and not timed_out and os.path.isfile(summary_path):
         with open(summary_path) as f:
-            record.update(status="ok", reason=None, **metrics_from_summary(json.load(f)))
+            summary = json.load(f)
+        record.update(status="ok", reason=None, **metrics_from_summary(summary))
+        record["gpu_window"] = gpu_window(samples_path, summary.get("timed_window_unix"))
     else:
         status = "timeout" if timed_out else "failed"
         reason = f"timed out after {timeout:.0f} s" if timed_out else error_reason(text) or f"exit status {rc}"
         record.update(status=status, reason=reason, log_tail=text[-3000:])
     return record
+
+
+_GPU_FIELDS = ("timestamp", "clocks.sm", "power.draw", "temperature.gpu")
+
+
+@contextlib.contextmanager
+def gpu_sampler(path: str, enabled: bool, period_ms: int = 200):
+    """Sample the GPU's SM clock, power draw and temperature into ``path`` (CSV) while the block runs.
+
+    Uses ``nvidia-smi`` (none: nothing is sampled). The clock explains step-time differences that
+    the kernels do not: the same kernels run longer at a lower clock (power or thermal limits).
+    """
+    smi = shutil.which("nvidia-smi") if enabled else None
+    if smi is None:
+        yield
+        return
+    with open(path, "w") as out:
+        proc = subprocess.Popen(
+            [smi, f"--query-gpu={','.join(_GPU_FIELDS)}", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+            stdout=out, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def gpu_window(path: str, window: Optional[Sequence[float]]) -> Optional[Dict[str, Any]]:
+    """Median SM clock (MHz) and power (W), and the highest temperature (C), of the samples in
+    ``path`` taken inside ``window`` (Unix times of the run's timed steps); ``None`` without either."""
+    if not window or not os.path.isfile(path):
+        return None
+    clocks, power, temps = [], [], []
+    with open(path, errors="replace") as f:
+        for line in f:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != len(_GPU_FIELDS):
+                continue
+            try:  # nvidia-smi's timestamp is local time
+                t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                values = [float(v) for v in parts[1:]]
+            except ValueError:
+                continue
+            if window[0] <= t <= window[1]:
+                clocks.append(values[0])
+                power.append(values[1])
+                temps.append(values[2])
+    if not clocks:
+        return None
+    return {"sm_clock_mhz": statistics.median(clocks), "power_w": statistics.median(power), "temperature_c_max": max(temps),
+            "samples": len(clocks)}  # fmt: skip
 
 
 def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
@@ -591,6 +650,28 @@ def reference_words(reference: Dict[Any, Dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------- reports
 def _fmt(v: Any, spec: str = ".1f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
+
+
+def gpu_section(records: List[Dict[str, Any]]) -> List[str]:
+    """Each run's GPU clock, power and temperature over its timed steps (``nvidia-smi`` samples)."""
+    sampled = [r for r in records if r.get("gpu_window")]
+    if not sampled:
+        return []
+    lines = [
+        "## The GPU during the timed steps",
+        "",
+        "`nvidia-smi` every 200 ms, samples inside each run's timed window (`gpu_samples.csv` in its run folder).",
+        "",
+        "| recipe | run | seed | SM clock MHz (median) | power W (median) | max temperature C | samples |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sampled:
+        g = r["gpu_window"]
+        lines.append(
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {g['sm_clock_mhz']:.0f} | {g['power_w']:.0f} "
+            f"| {g['temperature_c_max']:.0f} | {g['samples']} |"
+        )
+    return lines + [""]
 
 
 def profile_section(records: List[Dict[str, Any]]) -> List[str]:
@@ -767,6 +848,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {r['status']} | {reason} |")
         lines.append("")
     lines += profile_section(records)
+    lines += gpu_section(records)
     lines += loka_section(records)
     lines += ["## Commands", "", "```"]
     lines += [r["command"] for r in records if r.get("command")]

@@ -351,3 +351,21 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
     assert row.endswith("| 10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25) | 80.0 | 1.667x |")
     assert "| bf16 | none | ok | 14.00 [14.00, 14.00] | 0.571x | 1.000x |" in md
     assert "## Where the step goes" in md
+
+
+def test_gpu_window_takes_the_samples_inside_the_timed_steps(tmp_path):
+    import datetime
+
+    e2e = _driver()
+    path = tmp_path / "gpu_samples.csv"
+    t0 = 1_800_000_000.0
+    rows = [
+        f"{datetime.datetime.fromtimestamp(t0 + i).strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {1980 - 10 * i}, {500 + i}, {50 + i}"
+        for i in range(10)
+    ]
+    path.write_text("\n".join(rows + ["2026/11/26 06:00:00.000, [N/A], 500, 60", "not a sample"]) + "\n")
+    window = e2e.gpu_window(str(path), [t0 + 2, t0 + 5])  # samples 2..5
+    assert window == {"sm_clock_mhz": 1945.0, "power_w": 503.5, "temperature_c_max": 55.0, "samples": 4}
+    assert e2e.gpu_window(str(path), None) is None and e2e.gpu_window(str(tmp_path / "none.csv"), [t0, t0 + 9]) is None
+    lines = e2e.gpu_section([{"recipe": "dhen_xl", "run": "loka_compile", "seed": 0, "gpu_window": window}])
+    assert "| dhen_xl | loka_compile | 0 | 1945 | 504 | 55 | 4 |" in lines

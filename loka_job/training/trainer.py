@@ -442,6 +442,7 @@ class Trainer:
         self.nonfinite.install(self.pipeline)
         wall0 = time.perf_counter()
         last_end = wall0  # without train.step_sync a step's time runs from the previous step's end
+        window_clock: Dict[str, float] = {}  # Unix times of the timed window's synchronized ends
         while step < cfg.steps:
             if profiler is not None:
                 profiler.before_step(step + 1)
@@ -461,6 +462,8 @@ class Trainer:
             self._show_plan_if_new(bar)
             if cuda and (cfg.step_sync or step in (cfg.timing_start, cfg.steps)):
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
+            if step in (cfg.timing_start, cfg.steps):
+                window_clock["start" if step == cfg.timing_start else "end"] = time.time()
             last_end = time.perf_counter()
             seconds = last_end - t0
             profiled = profiler is not None and profiler.after_step(step)
@@ -520,6 +523,8 @@ class Trainer:
             **stats,
             "timed_steps": len(timed),
             "timed_window": [timed_steps[window[0]], timed_steps[window[-1]]] if window else None,
+            # Unix times bounding the window (train.timing_start > 0), to match with device samples
+            "timed_window_unix": [window_clock["start"], window_clock["end"]] if len(window_clock) == 2 else None,
             "qps": 1e3 * global_batch / stats["median_step_ms"] if timed else float("nan"),
             "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
             "train_seconds": train_seconds,
