@@ -84,10 +84,10 @@ which = sys.argv[1:] or ["skip_dynamic", "mode", "whole", "default"]
 for w in which:
     try:
         if w == "skip_dynamic":
-            with mock.patch.object(lc, "compile_kwargs", lambda mode, keep_fp8_operands=False: {"options": {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}}):
+            with mock.patch.object(lc, "_mode_or_options", lambda mode: {"options": {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}}):
                 run(w, lambda m: lc.compile_dense(m, "reduce-overhead"))
         elif w == "mode":
-            with mock.patch.object(lc, "compile_kwargs", lambda mode, keep_fp8_operands=False: {"mode": mode}):
+            with mock.patch.object(lc, "_mode_or_options", lambda mode: {"mode": mode}):
                 run(w, lambda m: lc.compile_dense(m, "reduce-overhead"))
         elif w == "nopartition":
             run(w, lambda m: lc.compile_dense(m, "reduce-overhead"))

@@ -22,13 +22,6 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``loka_fast_accum_compile``, ``loka_fast_accum_fwd_compile``: ``--plan`` as it is, with each FP8
   GEMM (or each FP8 forward GEMM) on its recipe's ``_fast_accum`` twin: the speed that fast
   accumulation would add to that plan, whatever its accuracy (a training run measures that).
-* ``loka_recast_compile``, ``loka_fast_accum_recast_compile``: ``loka_compile`` and
-  ``loka_fast_accum_compile`` with the backward casting ``x`` and ``W`` to FP8 again instead of
-  reading the forward's FP8 operands (``keep_fp8_operands=False``; every other LoKA run keeps them,
-  as LoKA's compile does by default).
-
-LoKA's runs compile as :func:`loka_torchrec.compile.compile_dense` does (its ``compile_kwargs``); the
-others with ``torch.compile``'s own modes.
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
 GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
@@ -58,7 +51,6 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 import loka_torchrec
 from loka_job.models.dhen import DhenConfig, DhenOverArch
 from loka_job.training.profiling import StepProfiler
-from loka_torchrec.compile import compile_kwargs
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.plan import DispatchPlan, RoleDecision
 from loka_torchrec.evidence import BF16, KernelChoice
@@ -69,13 +61,11 @@ from loka_torchrec.mods import ModsConfig, apply_mods
 
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_nomods_compile_cudagraphs", "torchao_tensorwise_compile",
         "torchao_rowwise_compile", "loka_compile", "loka_speed_gate_compile", "loka_tensorwise_compile",
-        "loka_fast_accum_compile", "loka_fast_accum_fwd_compile", "loka_recast_compile",
-        "loka_fast_accum_recast_compile")  # fmt: skip
+        "loka_fast_accum_compile", "loka_fast_accum_fwd_compile")  # fmt: skip
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
 """Runs whose plan is re-decided from ``--plan``'s evidence by the gates alone, with the one
 candidate they are restricted to (``None``: the fastest that passes)."""
-FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "loka_fast_accum_fwd_compile": ("fwd",),
-                       "loka_fast_accum_recast_compile": ("fwd", "dgrad", "wgrad")}  # fmt: skip
+FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "loka_fast_accum_fwd_compile": ("fwd",)}
 """Runs whose plan is ``--plan`` with these roles' FP8 GEMMs on their ``_fast_accum`` twins."""
 
 
@@ -96,9 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
-    for run in ("loka_compile", "loka_recast_compile"):
-        if run in args.runs and not (args.plan or args.mode):
-            p.error(f"--runs {run}: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
+    if "loka_compile" in args.runs and not (args.plan or args.mode):
+        p.error("--runs loka_compile: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
     if any(r in PLAN_VARIANTS for r in args.runs) and not args.plan:
         p.error(f"--runs {', '.join(PLAN_VARIANTS)}: need --plan (a dispatch_plan.json with its evidence)")
     return args
@@ -198,8 +187,6 @@ def make(run: str, args, device) -> nn.Module:
         report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
         print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
     mode = "default" if run == "bf16_compile" else "reduce-overhead"
-    if run.startswith("loka_"):
-        return torch.compile(model, fullgraph=True, **compile_kwargs(mode, keep_fp8_operands="recast" not in run))
     return torch.compile(model, mode=mode, fullgraph=not run.startswith("torchao"))
 
 

@@ -11,14 +11,6 @@ quantization fuses into the producing ops, the plan is static state, and a new p
 once. Steps that must run eagerly (the Probe's statistics hooks, the steps before the first plan
 whose row counts Dispatch reads) run inside :func:`eager`.
 
-What the compiled backward reads of a LoKA layer's forward is decided by the partitioner of
-AOTAutograd, which recomputes cheap elementwise work rather than save it. For an FP8 layer that
-means casting ``x`` and ``W`` to FP8 a second time in the backward, from their high-precision
-values, though the forward made the same FP8 bytes (1 byte an element, against 2 to re-read).
-With ``keep_fp8_operands`` (LoKA's compile: :func:`loka_torchrec.prepare`) a joint-graph pass,
-:class:`KeepFp8Operands`, marks every FP8 tensor the forward computes as one to save, so the
-backward reads those bytes instead.
-
 Example::
 
     >>> import torch
@@ -40,8 +32,6 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.utils.checkpoint import CheckpointPolicy
 
 try:  # TorchRec's awaitable, resolved before a compiled module runs; the library imports without TorchRec
     from torchrec.distributed.types import LazyAwaitable
@@ -50,8 +40,6 @@ except ImportError:  # no TorchRec: nothing to wait for
 
 __all__ = [
     "COMPILE_MODES",
-    "KeepFp8Operands",
-    "compile_kwargs",
     "compile_dense",
     "dense_modules",
     "eager",
@@ -105,13 +93,7 @@ def dense_modules(model: nn.Module, prefix: str = "") -> List[str]:
 
 
 def compile_dense(
-    model: nn.Module,
-    mode: str,
-    *,
-    modules: Sequence[str] = (),
-    fullgraph: bool = True,
-    dynamic: Optional[bool] = None,
-    keep_fp8_operands: bool = False,
+    model: nn.Module, mode: str, *, modules: Sequence[str] = (), fullgraph: bool = True, dynamic: Optional[bool] = None
 ) -> List[str]:
     """Compile ``model``'s dense submodules in place (as ``nn.Module.compile``); returns their names.
 
@@ -126,8 +108,6 @@ def compile_dense(
         fullgraph: refuse graph breaks (LoKA's layers have none).
         dynamic: ``torch.compile``'s ``dynamic``; ``None`` compiles static shapes first and marks
             a dim dynamic once it changes (one recompile, then none for jagged row counts).
-        keep_fp8_operands: the backward reads the FP8 operands the forward made instead of
-            recasting them (:class:`KeepFp8Operands`).
 
     Raises:
         ValueError: an unknown mode or submodule name.
@@ -140,7 +120,7 @@ def compile_dense(
             module = model.get_submodule(name)
         except AttributeError as exc:
             raise ValueError(f"compile_dense: modules: no submodule {name!r} in the model ({exc})") from None
-        compiled = torch.compile(_module_caller(), fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs(mode, keep_fp8_operands))
+        compiled = torch.compile(_module_caller(), fullgraph=fullgraph, dynamic=dynamic, **_mode_or_options(mode))
         # The slot nn.Module.compile() fills: calls of the module go through it, with TorchRec's lazy
         # awaitables resolved first (a sharded module hands its output on as a LazyAwaitable whose
         # wait() is a collective, which must not be traced).
@@ -149,62 +129,17 @@ def compile_dense(
     return names
 
 
-def compile_kwargs(mode: str, keep_fp8_operands: bool = False) -> dict:
-    """``torch.compile``'s ``mode`` or ``options`` for ``mode``, as :func:`compile_dense` compiles.
-
-    ``reduce-overhead`` records CUDA graphs only for graphs of static shapes: a graph with a
-    dynamic dim (HSTU's jagged token count) would be re-recorded for every new size, so Inductor
-    runs it without one (its ``cudagraph_skip_dynamic_graphs``, which then looks at the graph's
-    input shapes). Inductor's graph partitions stay off: with them that setting is applied per
-    operation, by whether the operation's code uses any symbol, and in PyTorch 2.11 the loop
-    indices of a fused kernel count, so a static graph ran almost without CUDA graphs.
-    ``keep_fp8_operands`` adds :class:`KeepFp8Operands` as Inductor's joint-graph pass.
-    """
+def _mode_or_options(mode: str) -> dict:
+    """``torch.compile``'s ``mode``, except that ``reduce-overhead`` records CUDA graphs only for
+    graphs of static shapes: a graph with a dynamic dim (HSTU's jagged token count) would be
+    re-recorded for every new size, so Inductor runs it without one (its
+    ``cudagraph_skip_dynamic_graphs``, which then looks at the graph's input shapes). Inductor's
+    graph partitions stay off: with them that setting is applied per operation, by whether the
+    operation's code uses any symbol, and in PyTorch 2.11 the loop indices of a fused kernel count,
+    so a static graph ran almost without CUDA graphs."""
     if mode == "reduce-overhead":
-        options = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True, "graph_partition": False}
-    elif keep_fp8_operands:
-        options = dict(torch._inductor.list_mode_options(mode))
-    else:
-        return {"mode": mode}
-    if keep_fp8_operands:
-        options["joint_custom_pre_pass"] = KeepFp8Operands()
-    return {"options": options}
-
-
-_FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
-
-
-class KeepFp8Operands(CustomGraphPass):
-    """Inductor joint-graph pass: FP8 tensors computed in the forward are saved for the backward.
-
-    Runs on the joint forward + backward graph before the partitioner splits it. Each node that
-    does not depend on a tangent (it is forward work), is no view, and yields an FP8 tensor gets
-    the activation-checkpointing tag ``MUST_SAVE``: the partitioner then never recomputes it, so
-    where the backward reads it (a layer's ``x^T`` for grad-weight, ``W^T`` for grad-input) the
-    forward's bytes are saved. FP8 tensors only the forward reads are not saved; graphs without
-    FP8 are unchanged.
-    """
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        backward: set = set()
-        for node in graph.nodes:
-            if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-                arg in backward for arg in node.all_input_nodes
-            ):
-                backward.add(node)
-        for node in graph.nodes:
-            value = node.meta.get("val")
-            if (
-                node.op == "call_function"
-                and node not in backward
-                and isinstance(value, torch.Tensor)
-                and value.dtype in _FP8_DTYPES
-                and not getattr(node.target, "is_view", False)
-            ):
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-
-    def uuid(self) -> str:  # Inductor's FX graph cache key for this pass
-        return "loka_torchrec.KeepFp8Operands.1"
+        return {"options": {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True, "graph_partition": False}}
+    return {"mode": mode}
 
 
 def _call_module(module: nn.Module, *args, **kwargs):

@@ -344,7 +344,7 @@ def prepare(
         probe = ProbeCallback(
             model, config.probe, run_dir=run_dir, consumer=report.dispatcher, process_group=process_group, start_step=1
         )
-    compiled = compile_dense(model, mode, keep_fp8_operands=config.dispatch.keep_fp8_operands) if mode is not None else []
+    compiled = compile_dense(model, mode) if mode is not None else []
     return Loka(
         config, report, probe, compiled,
         comms_selection=CommsSelection() if config.comms.auto else None,

@@ -7,7 +7,6 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import loka_torchrec
 from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
@@ -207,41 +206,3 @@ def test_step_end_ends_the_step_for_cuda_graphs(mode, marks, monkeypatch, tmp_pa
     loka.step_end(1)
     loka.step_end(2)
     assert len(calls) == marks
-
-
-class _BackwardInputs(CustomGraphPass):
-    """Inductor post-grad pass recording the dtypes of each compiled backward graph's inputs."""
-
-    def __init__(self) -> None:
-        self.dtypes = []
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        inputs = [n for n in graph.nodes if n.op == "placeholder"]
-        if any(n.name.startswith("tangents") for n in inputs):
-            self.dtypes += [n.meta["val"].dtype for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)]
-
-    def uuid(self):
-        return None  # not cacheable: every compile runs it
-
-
-@pytest.mark.parametrize("keep", [True, False])
-def test_the_backward_reads_the_forwards_fp8_operands(keep):
-    """With ``keep_fp8_operands`` the compiled backward is handed the forward's FP8 ``x^T`` and ``W^T``
-    (saved) instead of casting them again; the gradients are the same either way (same bytes)."""
-    torch.manual_seed(0)
-    reference = nn.ModuleDict({"over_arch": nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))})
-    loka_torchrec.apply(reference, DispatchConfig(mode="all:scaled_mm:tensorwise"))
-    model = copy.deepcopy(reference)
-    backward_inputs = _BackwardInputs()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=backward_inputs):
-        compile_dense(model, "default", keep_fp8_operands=keep)
-        x = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
-        model["over_arch"](x).square().mean().backward()
-    fp8_inputs = [d for d in backward_inputs.dtypes if d == torch.float8_e4m3fn]
-    # Two FP8 layers, each with x^T (grad-weight) and W^T (grad-input) from the forward; without the
-    # pass the partitioner recasts some of them from the high-precision values it saves anyway.
-    assert len(fp8_inputs) == 4 if keep else len(fp8_inputs) < 4, backward_inputs.dtypes
-    with eager():
-        reference["over_arch"](x).square().mean().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)

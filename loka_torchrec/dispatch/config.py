@@ -77,9 +77,6 @@ class DispatchConfig:
             replays (device time, no host launch gaps), with one-pass fused quantization; and
             grad-input and grad-weight prefer the forward's tensorwise backend where it passes
             the gates (its quantizations are shared: :func:`~loka_torchrec.dispatch.policy.share_quantizations`).
-        keep_fp8_operands: compiled, the backward reads the FP8 ``x^T`` and ``W^T`` the forward
-            made (saved, 1 byte an element) instead of casting ``x`` and ``W`` again from their
-            high-precision values (:class:`loka_torchrec.compile.KeepFp8Operands`).
     """
 
     mode: str = "policy"
@@ -103,7 +100,6 @@ class DispatchConfig:
     min_grad_sqnr_db: float = 17.0
     max_grad_noise_ratio: float = 0.1
     grad_check: bool = True
-    keep_fp8_operands: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -141,7 +137,7 @@ class DispatchConfig:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
-        for flag in ("compiled", "grad_check", "keep_fp8_operands"):
+        for flag in ("compiled", "grad_check"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"dispatch.{flag}: expected true or false, got {getattr(self, flag)!r}")
         sqnr_floor = self.min_grad_sqnr_db
