@@ -31,6 +31,7 @@ import os
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -51,6 +52,12 @@ logger = logging.getLogger(__name__)
 
 COMMS_PLAN_FILE = "comms_plan.json"
 """In the run folder: the comms precisions in force, and for ``"auto"`` how they were decided."""
+
+
+def _empty_device_cache() -> None:
+    """Release the CUDA caching allocator's unused blocks, where CUDA is in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @dataclasses.dataclass
@@ -189,6 +196,15 @@ class Loka:
         if self.dense_inputs is not None and (not self.compiled_modules or self.eager_at(step)):
             self.dense_inputs.record()
 
+    def _release_planning_memory(self) -> None:
+        """After a plan: drop the recorded dense inputs of a plan with nothing to check (an eager step
+        records them again before any later plan) and hand the planning's scratch memory (candidates
+        timed at the real shapes) back to the device, so that the steps after the plan, and the
+        graphs compiled for them, allocate as a run without the planning would."""
+        if self.dense_inputs is not None and not self.dispatcher.plan.fp8_gemm_count():
+            self.dense_inputs.clear()
+        _empty_device_cache()
+
     def _check_gradients(self, step: int) -> None:
         """``dispatch.grad_check``: the first plan with FP8 is checked against the weight gradients
         of the dense modules on the inputs they saw in the planning step, once per run (all ranks
@@ -216,8 +232,10 @@ class Loka:
         if self.probe is not None:
             self.probe.on_step_end(step)
         made = self.dispatcher.plan  # a policy plan made at this step has its step number
-        if self.dense_inputs is not None and made.step > 0 and made.step != plan.step and made.fp8_gemm_count():
-            self._check_gradients(step)
+        if made.step > 0 and made.step != plan.step:
+            if self.dense_inputs is not None and made.fp8_gemm_count():
+                self._check_gradients(step)
+            self._release_planning_memory()
         self._record_dense_inputs(step + 1)
         if step_ms is not None:
             self.dispatcher.observe_step_time(step, step_ms)

@@ -1,6 +1,7 @@
 """LoKA under ``torch.compile`` (CPU inductor): whole graphs, no recompiles, plans that survive any shape."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -206,3 +207,25 @@ def test_step_end_ends_the_step_for_cuda_graphs(mode, marks, monkeypatch, tmp_pa
     loka.step_end(1)
     loka.step_end(2)
     assert len(calls) == marks
+
+
+def test_a_plan_without_fp8_releases_the_planning_memory(monkeypatch, tmp_path):
+    """Compiled, with the Probe: after a plan that keeps every GEMM in bf16, the dense inputs recorded
+    for the gradient check are dropped (nothing to check) and the device's cached memory is released."""
+    freed = []
+    monkeypatch.setattr(importlib.import_module("loka_torchrec.prepare"), "_empty_device_cache", lambda: freed.append(1))
+    model = nn.ModuleDict({"over_arch": _mlp((40, 32, 16)), "tables": nn.EmbeddingBag(10, 4)})
+    config = loka_torchrec.LokaConfig.from_dict({
+        "enabled": True, "probe": {"warmup_steps": 1, "every": 1},
+        "dispatch": {"candidates": ["scaled_mm:tensorwise"], "min_speedup": 1000.0, "layer_check_reps": 0},
+    })  # fmt: skip
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), compile="default", device="cpu")
+    for step in (1, 2, 3):
+        with loka.step(step):
+            model["over_arch"](torch.randn(16, 40)).square().mean().backward()
+    loka.close()
+    plan = loka.dispatcher.plan
+    assert plan.step > 0 and plan.fp8_gemm_count() == 0
+    # The planning step ran eagerly and recorded its inputs; the plan had nothing to check, so they
+    # are gone (later compiled steps record nothing), and the cache was emptied once, at the plan.
+    assert not loka.dense_inputs.recorded and freed == [1]
