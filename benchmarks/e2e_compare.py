@@ -70,6 +70,11 @@ rest, and the device's idle share (``loka_job/training/profiling.py``). Put the 
 after ``--window-start`` (steady state: compiled, CUDA graphs recorded, the plan made), e.g.
 ``--steps 300 --probe-warmup 100 --profile-start 290 --profile-steps 5``.
 
+On CUDA, ``nvidia-smi`` samples the GPU's SM clock, power and temperature every 200 ms during every
+run (``gpu_samples.csv`` in its run folder); the section "The GPU during the timed steps" gives the
+samples inside each run's timed window (the job's ``timed_window_unix``): a run that draws more power
+may run at a lower clock, which the kernel list alone does not show.
+
 Usage (one H100)::
 
     python benchmarks/e2e_compare.py --out benchmarks/results/H100 --nproc 1 --seeds 0,1
