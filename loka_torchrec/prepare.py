@@ -197,10 +197,10 @@ class Loka:
             self.dense_inputs.record()
 
     def _release_planning_memory(self) -> None:
-        """After a plan: drop the recorded dense inputs of a plan with nothing to check (an eager step
-        records them again before any later plan) and hand the planning's scratch memory (candidates
-        timed at the real shapes) back to the device, so that the steps after the plan, and the
-        graphs compiled for them, allocate as a run without the planning would."""
+        """After a plan: drop the recorded dense inputs if the plan has nothing to check (the probe
+        steps that precede a later plan record them again) and hand the planning's cached scratch
+        memory (candidates timed at the real shapes) back to the device: the training steps until
+        the next plan do not use it."""
         if self.dense_inputs is not None and not self.dispatcher.plan.fp8_gemm_count():
             self.dense_inputs.clear()
         _empty_device_cache()
