@@ -679,6 +679,12 @@ def gpu_section(records: List[Dict[str, Any]]) -> List[str]:
     return lines + [""]
 
 
+def _host_cell(host: Optional[Dict[str, float]]) -> str:
+    if not host:
+        return "n/a"
+    return " / ".join(f"{host[k]:.0f}" for k in ("kernel_launches_per_step", "graph_launches_per_step", "operators_per_step"))
+
+
 def profile_section(records: List[Dict[str, Any]]) -> List[str]:
     """"Where the step goes": one row per profiled run and seed (``--profile-start``), else no lines.
 
@@ -696,10 +702,11 @@ def profile_section(records: List[Dict[str, Any]]) -> List[str]:
         "these steps are left out of the step times above). Shares are % of the summed kernel time; GEMM = bf16 + "
         "fp8; other = elementwise, attention, copies; idle = % of the wall time with no kernel running. "
         "2x-GEMM ceiling: the step's speed-up if every GEMM ran 2x faster, `1 / (1 - f + f/2)` with f the GEMM "
-        "share of the kernel time (of the wall time in brackets). Per-rank details: `rank<r>/profile.json`.",
+        "share of the kernel time (of the wall time in brackets). Host: what the host did per step (a step "
+        "that replays CUDA graphs launches few kernels itself). Per-rank details: `rank<r>/profile.json`.",
         "",
-        "| recipe | run | seed | wall ms/step | kernel ms/step | GEMM % (bf16 + fp8) | quantize % | embedding % | comms % | other % | idle % | 2x-GEMM ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | run | seed | wall ms/step | kernel ms/step | GEMM % (bf16 + fp8) | quantize % | embedding % | comms % | other % | idle % | 2x-GEMM ceiling | host: kernel launches / graph launches / operators per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in profiled:
         p = r["profile"]
@@ -710,7 +717,8 @@ def profile_section(records: List[Dict[str, Any]]) -> List[str]:
             f"| {r['recipe']} | {r['run']} | {r['seed']} | {_fmt(p['wall_ms_per_step'], '.2f')} | {_fmt(p['kernel_ms_per_step'], '.2f')} "
             f"| {gemm:.1f} ({pct['gemm_bf16']:.1f} + {pct['gemm_fp8']:.1f}) | {pct['fp8_quantize']:.1f} | {pct['embedding']:.1f} "
             f"| {pct['comms']:.1f} | {other:.1f} | {100 * p['idle_share']:.1f} "
-            f"| {_fmt(p['amdahl_2x_gemm_ceiling'], '.3f')}x ({_fmt(p.get('amdahl_2x_gemm_ceiling_wall'), '.3f')}x) |"
+            f"| {_fmt(p['amdahl_2x_gemm_ceiling'], '.3f')}x ({_fmt(p.get('amdahl_2x_gemm_ceiling_wall'), '.3f')}x) "
+            f"| {_host_cell(p.get('host'))} |"
         )
     tops = [r for r in profiled if r["profile"].get("top_kernels")]
     if tops:

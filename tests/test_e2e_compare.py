@@ -164,7 +164,8 @@ def test_profile_flags_and_where_the_step_goes_section():
               "comms": 0.15, "memcpy_memset": 0.02, "other": 0.18}  # fmt: skip
     profile = {"steps": [290, 294], "source": "cuda kernels", "wall_ms_per_step": 40.0, "kernel_ms_per_step": 30.0,
                "idle_share": 0.25, "gemm_share": 0.4, "amdahl_2x_gemm_ceiling": 1.25, "amdahl_2x_gemm_ceiling_wall": 1.176,
-               "shares": shares}  # fmt: skip
+               "shares": shares, "host": {"kernel_launches_per_step": 412.0, "graph_launches_per_step": 2.0,
+                                          "operators_per_step": 1530.4}}  # fmt: skip
     summary = {"median_step_ms": 35.0, "eval_ne": 0.9, "profile": profile}
     record = {"recipe": "dhen_large", "run": "loka", "seed": 0, "status": "ok", "command": "x",
               **e2e.metrics_from_summary(summary)}  # fmt: skip
@@ -175,8 +176,12 @@ def test_profile_flags_and_where_the_step_goes_section():
     md = e2e.to_markdown(meta, e2e.aggregate([record], ["dhen_large"], ["loka"]), [record])
     assert "## Where the step goes" in md and "steps 290..294" in md
     row = next(line for line in md.splitlines() if line.startswith("| dhen_large | loka | 0 |"))
-    # wall, kernel ms/step, GEMM (bf16 + fp8), quantize, embedding, comms, other (the rest), idle, ceiling
-    assert row == "| dhen_large | loka | 0 | 40.00 | 30.00 | 40.0 (30.0 + 10.0) | 5.0 | 20.0 | 15.0 | 20.0 | 25.0 | 1.250x (1.176x) |"
+    # wall, kernel ms/step, GEMM (bf16 + fp8), quantize, embedding, comms, other (the rest), idle, ceiling, host
+    assert row == ("| dhen_large | loka | 0 | 40.00 | 30.00 | 40.0 (30.0 + 10.0) | 5.0 | 20.0 | 15.0 | 20.0 | 25.0 "
+                   "| 1.250x (1.176x) | 412 / 2 / 1530 |")
+    older = dict(record, profile={k: v for k, v in profile.items() if k != "host"})  # a profile from before host counts
+    md_older = e2e.to_markdown(meta, e2e.aggregate([older], ["dhen_large"], ["loka"]), [older])
+    assert next(line for line in md_older.splitlines() if line.startswith("| dhen_large | loka | 0 |")).endswith("| n/a |")
     without = dict(record, profile=None)
     assert "Where the step goes" not in e2e.to_markdown(meta, e2e.aggregate([without], ["dhen_large"], ["loka"]), [without])
 

@@ -15,6 +15,7 @@ from loka_job.training.profiling import (
     amdahl_ceiling,
     classify_cpu_op,
     classify_kernel,
+    host_work,
     profile_summary,
     summarize_events,
 )
@@ -206,11 +207,23 @@ def test_step_profiler_profiles_exactly_its_window_on_cpu(tmp_path):
     assert 0.0 <= report["idle_share"] <= 1.0 and 1.0 <= report["amdahl_2x_gemm_ceiling"] <= 2.0
     assert (tmp_path / "profile_trace.json").stat().st_size > 0 and report["trace"].endswith("profile_trace.json")
     assert profiler.finish() is profiler.report  # finishing again changes nothing
+    # The host's side: on a CPU no launches, and per step at least the forward's addmm and the backward's mm.
+    host = report["host"]
+    assert host["kernel_launches_per_step"] == 0 and host["graph_launches_per_step"] == 0
+    assert host["operators_per_step"] >= 2
     summary = profile_summary(report)
     assert set(summary["shares"]) == set(CATEGORIES) and summary["file"].endswith("profile.json")
     top = summary["top_kernels"]
     assert 0 < len(top) <= 8 and top[0]["name"] == report["top_kernels"][0]["name"]
     assert top[0]["ms_per_step"] == pytest.approx(report["top_kernels"][0]["ms"] / report["num_steps"])
+
+
+def test_host_work_counts_launches_graph_replays_and_operators_per_step():
+    names = ["cudaLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch", "aten::mm", "aten::add_", "fbgemm::jagged",
+             "cudaMemcpyAsync", "autograd::engine::evaluate_function: MmBackward0", "ProfilerStep#3"]  # fmt: skip
+    assert host_work(names * 2, 2) == {"kernel_launches_per_step": 2.0, "graph_launches_per_step": 1.0, "operators_per_step": 3.0}
+    with pytest.raises(ValueError, match="num_steps"):
+        host_work(names, 0)
 
 
 def test_step_profiler_window_cut_short_and_never_reached(tmp_path):

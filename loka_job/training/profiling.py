@@ -15,7 +15,10 @@
   ``amdahl_2x_gemm_ceiling = 1 / (1 - gemm_share + gemm_share / 2)``: the step's speed-up if every
   GEMM ran 2x faster and nothing else changed; ``amdahl_2x_gemm_ceiling_wall`` is the same with the
   GEMMs' share of the wall time (smaller when the device idles: GEMMs cannot shorten idle time);
-* ``top_kernels``: the 15 event names with the most total time.
+* ``top_kernels``: the 15 event names with the most total time;
+* ``host``: the host's side of the window, per step (:func:`host_work`): CUDA kernel launches,
+  CUDA graph launches and operators dispatched. Two runs with the same kernels whose steps differ
+  in idle time differ here: a step that replays CUDA graphs launches few kernels itself.
 
 On CUDA the events are the device's kernels, copies and sets (activities CPU + CUDA). On a CPU
 there are none: the operators (``aten::``, ``fbgemm::``, ``c10d::``, ``loka::`` ...) are classified
@@ -48,6 +51,7 @@ from loka_torchrec.atomic_files import write_json_atomic
 
 __all__ = [
     "CATEGORIES",
+    "host_work",
     "CPU_OP_RULES",
     "DEVICE_KERNEL_RULES",
     "GEMM_CATEGORIES",
@@ -259,7 +263,7 @@ def profile_summary(report: Dict[str, Any]) -> Dict[str, Any]:
     """The few numbers of a :func:`summarize_events` report that go into the run's summary."""
     keys = (
         "steps", "source", "file", "wall_ms_per_step", "kernel_ms_per_step", "busy_ms_per_step", "idle_share",
-        "gemm_share", "gemm_share_of_wall", "amdahl_2x_gemm_ceiling", "amdahl_2x_gemm_ceiling_wall",
+        "gemm_share", "gemm_share_of_wall", "amdahl_2x_gemm_ceiling", "amdahl_2x_gemm_ceiling_wall", "host",
     )  # fmt: skip
     out = {k: report[k] for k in keys if k in report}
     out["shares"] = {c: v["share"] for c, v in report["categories"].items()}
@@ -285,6 +289,26 @@ def _device_kernels(events) -> List[ProfiledEvent]:
         for e in events
         if e.device_type == DeviceType.CUDA and not _is_annotation(e)
     ]
+
+
+_KERNEL_LAUNCH = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|cuLaunchKernelEx|cudaLaunchCooperativeKernel)$")
+_GRAPH_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)$")
+
+
+def host_work(names: Iterable[str], num_steps: int) -> Dict[str, float]:
+    """Per step: the CUDA kernel launches (runtime and driver API), CUDA graph launches and
+    operators (``aten::``, ``fbgemm::`` ...) among the host-side event ``names`` of a window."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+    counts = {"kernel_launches": 0, "graph_launches": 0, "operators": 0}
+    for name in names:
+        if _KERNEL_LAUNCH.match(name):
+            counts["kernel_launches"] += 1
+        elif _GRAPH_LAUNCH.match(name):
+            counts["graph_launches"] += 1
+        elif _CPU_OPERATOR.search(name):
+            counts["operators"] += 1
+    return {f"{k}_per_step": v / num_steps for k, v in counts.items()}
 
 
 def _cpu_operators(events) -> List[ProfiledEvent]:
@@ -384,6 +408,9 @@ class StepProfiler:
         if self._steps_done == 0:
             return None
         events = prof.events()
+        from torch.autograd import DeviceType
+
+        host = host_work((e.name for e in events if e.device_type == DeviceType.CPU), self._steps_done)
         if self.cuda:
             report = summarize_events(_device_kernels(events), classify=classify_kernel, num_steps=self._steps_done, wall_ms=wall_ms,
                                       top=self.top)
@@ -399,6 +426,7 @@ class StepProfiler:
             "device": str(self.device),
             "file": path,
             **report,
+            "host": host,
             "rules": {
                 "device_kernels": [[c, p.pattern] for c, p in DEVICE_KERNEL_RULES],
                 "cpu_operators": [[c, p.pattern] for c, p in CPU_OP_RULES],
