@@ -31,7 +31,6 @@ import os
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -52,12 +51,6 @@ logger = logging.getLogger(__name__)
 
 COMMS_PLAN_FILE = "comms_plan.json"
 """In the run folder: the comms precisions in force, and for ``"auto"`` how they were decided."""
-
-
-def _empty_device_cache() -> None:
-    """Release the CUDA caching allocator's unused blocks, where CUDA is in use."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 @dataclasses.dataclass
@@ -196,14 +189,11 @@ class Loka:
         if self.dense_inputs is not None and (not self.compiled_modules or self.eager_at(step)):
             self.dense_inputs.record()
 
-    def _release_planning_memory(self) -> None:
-        """After a plan: drop the recorded dense inputs if the plan has nothing to check (the probe
-        steps that precede a later plan record them again) and hand the planning's cached scratch
-        memory (candidates timed at the real shapes) back to the device: the training steps until
-        the next plan do not use it."""
+    def _drop_unneeded_dense_inputs(self) -> None:
+        """After a plan without FP8: the recorded dense inputs have nothing to check; drop them (the
+        probe steps that precede a later plan record them again)."""
         if self.dense_inputs is not None and not self.dispatcher.plan.fp8_gemm_count():
             self.dense_inputs.clear()
-        _empty_device_cache()
 
     def _check_gradients(self, step: int) -> None:
         """``dispatch.grad_check``: the first plan with FP8 is checked against the weight gradients
@@ -235,7 +225,7 @@ class Loka:
         if made.step > 0 and made.step != plan.step:
             if self.dense_inputs is not None and made.fp8_gemm_count():
                 self._check_gradients(step)
-            self._release_planning_memory()
+            self._drop_unneeded_dense_inputs()
         self._record_dense_inputs(step + 1)
         if step_ms is not None:
             self.dispatcher.observe_step_time(step, step_ms)
