@@ -17,8 +17,8 @@
   GEMMs' share of the wall time (smaller when the device idles: GEMMs cannot shorten idle time);
 * ``top_kernels``: the 15 event names with the most total time;
 * ``host``: the host's side of the window, per step (:func:`host_work`): CUDA kernel launches,
-  CUDA graph launches and operators dispatched. Two runs with the same kernels whose steps differ
-  in idle time differ here: a step that replays CUDA graphs launches few kernels itself.
+  CUDA graph launches and operators dispatched: where two runs with the same kernels differ in idle
+  time, this shows whether both replay CUDA graphs (a replaying step launches few kernels itself).
 
 On CUDA the events are the device's kernels, copies and sets (activities CPU + CUDA). On a CPU
 there are none: the operators (``aten::``, ``fbgemm::``, ``c10d::``, ``loka::`` ...) are classified
@@ -51,7 +51,6 @@ from loka_torchrec.atomic_files import write_json_atomic
 
 __all__ = [
     "CATEGORIES",
-    "host_work",
     "CPU_OP_RULES",
     "DEVICE_KERNEL_RULES",
     "GEMM_CATEGORIES",
@@ -60,6 +59,7 @@ __all__ = [
     "amdahl_ceiling",
     "classify_cpu_op",
     "classify_kernel",
+    "host_work",
     "profile_summary",
     "summarize_events",
 ]
