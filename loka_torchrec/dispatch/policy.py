@@ -56,7 +56,7 @@ def decide_role(
         return RoleDecision(BF16, reason, source, None, tuple(evidence))
     admissible = [e for e in fp8 if _admissible(e, max_mere, min_speedup, max_noise_ratio)]
     if admissible:
-        best = max(admissible, key=lambda e: (e.speedup, -e.error.value))
+        best = _fastest(admissible)
         noise = ""
         if best.noise_ratio is not None and max_noise_ratio > 0:
             noise = f", noise ratio {best.noise_ratio.value:.3g} (hi {best.noise_ratio.high:.3g} <= {max_noise_ratio})"
@@ -92,6 +92,11 @@ def _admissible(e: CandidateEvidence, max_mere: float, min_speedup: float, max_n
     """Both gates on usable evidence: not excluded, finite, accurate, and fast enough."""
     return (not e.note.startswith("excluded") and _finite(e) and _accurate(e, max_mere, max_noise_ratio)
             and e.speedup_low >= min_speedup)  # fmt: skip
+
+
+def _fastest(admissible: List[CandidateEvidence]) -> CandidateEvidence:
+    """The admissible candidate that wins: highest point speedup, ties to the lower error."""
+    return max(admissible, key=lambda e: (e.speedup, -e.error.value))
 
 
 def _finite(e: CandidateEvidence) -> bool:
@@ -167,7 +172,7 @@ def share_quantizations(plan: DispatchPlan, *, max_mere: float, min_speedup: flo
             ]
             if not sharing:
                 continue
-            best = max(sharing, key=lambda e: (e.speedup, -e.error.value))
+            best = _fastest(sharing)
             alone = f"{own.evidence.speedup:.2f}x" if own.evidence is not None else "?"
             reason = (
                 f"shares the forward's tensorwise quantization (compiled): MERE {best.error.value:.4f} "
