@@ -43,9 +43,6 @@ def decide_role(
     """Pick the kernel for one GEMM from its candidates' evidence (``max_noise_ratio`` 0: the noise
     ratio gates nothing)."""
 
-    def accurate(e: CandidateEvidence) -> bool:
-        return _accurate(e, max_mere, max_noise_ratio)
-
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
     excluded = [e for e in fp8 if e.note.startswith("excluded")]
     fp8 = [e for e in fp8 if not e.note.startswith("excluded")]
@@ -68,7 +65,7 @@ def decide_role(
     if not fp8:
         why = "; ".join(f"{e.candidate} {e.note}" for e in excluded)
         return RoleDecision(BF16, "no FP8 candidate could run here" + (f" ({why})" if why else ""), source, None, tuple(evidence))
-    accurate_ones = [e for e in fp8 if accurate(e)]
+    accurate_ones = [e for e in fp8 if _accurate(e, max_mere, max_noise_ratio)]
     if accurate_ones:
         best = max(accurate_ones, key=lambda e: e.speedup)
         reason = f"none fast enough: best {best.candidate} {best.speedup:.2f}x (lo {best.speedup_low:.2f}x < {min_speedup})"
