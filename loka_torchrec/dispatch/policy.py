@@ -42,7 +42,6 @@ def decide_role(
 ) -> RoleDecision:
     """Pick the kernel for one GEMM from its candidates' evidence (``max_noise_ratio`` 0: the noise
     ratio gates nothing)."""
-
     fp8 = [e for e in evidence if not e.candidate.is_high_precision]
     excluded = [e for e in fp8 if e.note.startswith("excluded")]
     fp8 = [e for e in fp8 if not e.note.startswith("excluded")]
