@@ -507,6 +507,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
         for k in (
             "median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "timed_steps", "timed_window",
             "qps", "peak_memory_gb", "eval_ne", "eval_auc", "train_ne", "teacher_eval_ne", "world_size", "autocast",
+            "host_window",
         )
     }
     loka = s.get("loka")
@@ -675,6 +676,36 @@ def gpu_section(records: List[Dict[str, Any]]) -> List[str]:
         lines.append(
             f"| {r['recipe']} | {r['run']} | {r['seed']} | {g['sm_clock_mhz']:.0f} | {g['power_w']:.0f} "
             f"| {g['temperature_c_max']:.0f} | {g['samples']} |"
+        )
+    return lines + [""]
+
+
+def host_section(records: List[Dict[str, Any]]) -> List[str]:
+    """What each run's host did per step of its timed window (``host_window`` in its summary), and
+    its CUDA graphs at the end: where two runs with the same kernels differ in step time."""
+    counted = [r for r in records if r.get("status") == "ok" and r.get("host_window")]
+    if not counted:
+        return []
+    lines = [
+        "## The host during the timed steps",
+        "",
+        "Per step of the timed window (profiled steps included): time the loop waited for a batch, Python's garbage "
+        "collections (generations 0 / 1 / 2), the CUDA allocator's calls to the driver (`cudaMalloc` / `cudaFree`) "
+        "and allocation retries. CUDA graphs: at the run's end, graphs recorded / recordings after the first "
+        "(`new_paths`) / re-recordings / graphs run without CUDA graphs (`loka_torchrec.compile.cuda_graph_stats`).",
+        "",
+        "| recipe | run | seed | batch wait ms | GC collections | cudaMalloc / cudaFree | alloc retries | CUDA graphs: recorded / new paths / re-recorded / skipped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in counted:
+        h = r["host_window"]
+        gc_cell = " / ".join(_fmt(h.get(f"gc{g}_per_step"), ".2f") for g in range(3))
+        graphs = (r.get("compile") or {}).get("cuda_graphs")
+        graphs_cell = " / ".join(str(graphs[k]) for k in ("graphs", "new_paths", "rerecords", "skips")) if graphs else "none"
+        lines.append(
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {_fmt(h.get('data_wait_ms'), '.3f')} | {gc_cell} "
+            f"| {_fmt(h.get('cuda_mallocs_per_step'), '.2f')} / {_fmt(h.get('cuda_frees_per_step'), '.2f')} "
+            f"| {_fmt(h.get('alloc_retries_per_step'), '.2f')} | {graphs_cell} |"
         )
     return lines + [""]
 
@@ -862,6 +893,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         lines.append("")
     lines += profile_section(records)
     lines += gpu_section(records)
+    lines += host_section(records)
     lines += loka_section(records)
     lines += ["## Commands", "", "```"]
     lines += [r["command"] for r in records if r.get("command")]

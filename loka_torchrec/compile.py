@@ -28,7 +28,7 @@ import contextlib
 import functools
 import logging
 import types
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ except ImportError:  # no TorchRec: nothing to wait for
 __all__ = [
     "COMPILE_MODES",
     "compile_dense",
+    "cuda_graph_stats",
     "dense_modules",
     "eager",
     "end_compiled_step",
@@ -192,6 +193,49 @@ def end_compiled_step() -> None:
     step read afterwards raises an error rather than returning overwritten values.
     """
     torch.compiler.cudagraph_mark_step_begin()
+
+
+def cuda_graph_stats(device: "torch.device | str") -> Optional[Dict[str, int]]:
+    """What Inductor's CUDA graph trees did on ``device`` so far; ``None`` where none ran (eager,
+    ``default`` mode, not CUDA).
+
+    A training loop in steady state records each compiled graph once and then only replays, so
+    ``graphs`` stays at a few per compiled module and ``new_paths`` and ``rerecords`` stop growing;
+    ``skips`` counts graphs that run without a CUDA graph (each with a warning from the
+    ``cudagraphs`` log, ``TORCH_LOGS=cudagraphs``).
+
+    Returns: ``functions`` (compiled graphs handed to the trees, forward and backward),
+    ``graphs`` (CUDA graphs recorded), ``new_paths`` (times the next call matched no recorded
+    graph and a new one was recorded), ``rerecords`` (of those, the ones for a graph recorded
+    before, e.g. its static inputs moved), ``skips`` (graphs Inductor runs without CUDA graphs).
+    These are the trees' own bookkeeping (``torch._inductor.cudagraph_trees``), read defensively.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    from torch._dynamo.utils import counters
+
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    except (ImportError, AttributeError, KeyError):  # a PyTorch without the trees' layout
+        manager = None
+    skips = int(counters["inductor"].get("cudagraph_skips", 0))
+    if manager is None:
+        return {"functions": 0, "graphs": 0, "new_paths": 0, "rerecords": 0, "skips": skips} if skips else None
+    nodes, graphs = [n for roots in manager.roots.values() for n in roots], 0
+    while nodes:
+        node = nodes.pop()
+        graphs += 1
+        nodes += [c for children in node.children.values() for c in children]
+    return {
+        "functions": len(getattr(manager, "ids_to_funcs", {})),
+        "graphs": graphs,
+        "new_paths": int(getattr(manager, "debug_fail_counter", 0)),
+        "rerecords": sum(sum(per_function.values()) for per_function in getattr(manager, "num_rerecord", {}).values()),
+        "skips": skips,
+    }
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import loka_torchrec
-from loka_torchrec.compile import compile_dense, eager, resolve_compile_mode
+from loka_torchrec.compile import compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.gemm.backends import GemmBackend, get_backend, register_backend
 from loka_torchrec.gemm.backends.base import BackendUnavailableError
@@ -192,6 +192,33 @@ def test_compile_settings_are_checked():
         compile_dense(_mlp(), "auto")
     with pytest.raises(ValueError, match="compile_dense: modules: no submodule 'nope'"):
         compile_dense(_mlp(), "default", modules=["nope"])
+
+
+def test_cuda_graph_stats_are_none_without_cuda_graphs():
+    assert cuda_graph_stats("cpu") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_stats_show_a_steady_loop_replaying():
+    model = nn.ModuleDict({"mlp": _mlp()}).cuda()
+    compile_dense(model, "reduce-overhead")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model["mlp"](torch.randn(32, 40, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        end_compiled_step()
+
+    for _ in range(4):
+        step()
+    before = cuda_graph_stats("cuda")
+    for _ in range(5):
+        step()
+    after = cuda_graph_stats("cuda")
+    assert before["graphs"] >= 2 and before["functions"] >= 2  # a forward and a backward graph
+    assert after == before  # replays only: nothing recorded, re-recorded or skipped
 
 
 @pytest.mark.parametrize("mode, marks", [("reduce-overhead", 2), ("default", 0), ("none", 0)])

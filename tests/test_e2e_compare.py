@@ -374,3 +374,20 @@ def test_gpu_window_takes_the_samples_inside_the_timed_steps(tmp_path):
     assert e2e.gpu_window(str(path), None) is None and e2e.gpu_window(str(tmp_path / "none.csv"), [t0, t0 + 9]) is None
     lines = e2e.gpu_section([{"recipe": "dhen_xl", "run": "loka_compile", "seed": 0, "gpu_window": window}])
     assert "| dhen_xl | loka_compile | 0 | 1945 | 504 | 55 | 4 |" in lines
+
+
+def test_host_section_shows_the_window_counters_and_the_cuda_graphs():
+    e2e = _driver()
+    window = {"data_wait_ms": 0.0123, "gc0_per_step": 2.5, "gc1_per_step": 0.25, "gc2_per_step": 0.0,
+              "cuda_mallocs_per_step": 0.0, "cuda_frees_per_step": 0.0, "alloc_retries_per_step": 0.0}  # fmt: skip
+    graphs = {"functions": 12, "graphs": 8, "new_paths": 1, "rerecords": 0, "skips": 0}
+    records = [
+        {"recipe": "dhen_large", "run": "loka_compile", "seed": 0, "status": "ok", "host_window": window,
+         "compile": {"cuda_graphs": graphs}},
+        {"recipe": "dhen_large", "run": "bf16", "seed": 0, "status": "ok", "host_window": window, "compile": {"cuda_graphs": None}},
+        {"recipe": "dhen_large", "run": "te", "seed": 0, "status": "failed"},
+    ]  # fmt: skip
+    lines = e2e.host_section(records)
+    assert "| dhen_large | loka_compile | 0 | 0.012 | 2.50 / 0.25 / 0.00 | 0.00 / 0.00 | 0.00 | 8 / 1 / 0 / 0 |" in lines
+    assert any(line.startswith("| dhen_large | bf16 | 0 |") and line.endswith("| none |") for line in lines)
+    assert not any("| te |" in line for line in lines) and e2e.host_section(records[2:]) == []

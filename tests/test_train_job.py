@@ -52,11 +52,15 @@ def read_metrics(run_dir, rank=0):
 @pytest.mark.slow
 def test_two_rank_training_with_loka_learns_and_logs(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = ["train.steps=60", "loka.dispatch.min_speedup=0", "loka.dispatch.samples=3", "loka.dispatch.timing_reps=1"]
+    overrides = ["train.steps=60", "train.timing_start=40", "loka.dispatch.min_speedup=0", "loka.dispatch.samples=3",
+                 "loka.dispatch.timing_reps=1"]  # fmt: skip
     proc = launch(run_dir, *overrides, torchrun=True)  # the launch a user types
     assert "loka-torchrec run summary" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 60 and summary["world_size"] == 2
+    host = summary["host_window"]  # steps 41..60: batches made in the loop, on the CPU
+    assert host["data_wait_ms"] > 0 and "gc0_per_step" in host and "cuda_mallocs_per_step" not in host
+    assert summary["compile"]["cuda_graphs"] is None
     assert summary["eval_ne"] < 1.0
     # loss falls: the first logged window's NE is above the last one's
     train = [r for r in read_metrics(run_dir) if "train/ne" in r]

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from loka_job.baselines import BaselineConfig
-from loka_torchrec.compile import compile_dense, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
+from loka_torchrec.compile import compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
 from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint
 from loka_job.training.dense_optimizer import dense_adagrad, dense_optimizer_kind
 from loka_job.training.distributed import DistContext
+from loka_job.training.host_window import TimedBatches, host_counters, per_step
 from loka_job.training.memory_trend import MemoryTrend
 from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.profiling import StepProfiler, profile_summary
@@ -425,7 +426,7 @@ class Trainer:
         ``profile`` (every rank's in ``rank<r>/profile.json``).
         """
         cfg = self.cfg
-        batches = self._train_batches()
+        batches = TimedBatches(self._train_batches())
         bar = None
         if self.ctx.is_main and cfg.progress_bar:
             from tqdm import tqdm
@@ -443,6 +444,7 @@ class Trainer:
         wall0 = time.perf_counter()
         last_end = wall0  # without train.step_sync a step's time runs from the previous step's end
         window_clock: Dict[str, float] = {}  # Unix times of the timed window's synchronized ends
+        window_host: Dict[str, Dict[str, float]] = {}  # the host's counters at the same ends
         while step < cfg.steps:
             if profiler is not None:
                 profiler.before_step(step + 1)
@@ -464,6 +466,7 @@ class Trainer:
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
             if step in (cfg.timing_start, cfg.steps):
                 window_clock["start" if step == cfg.timing_start else "end"] = time.time()
+                window_host["start" if step == cfg.timing_start else "end"] = host_counters(batches, self.ctx.device)
             last_end = time.perf_counter()
             seconds = last_end - t0
             profiled = profiler is not None and profiler.after_step(step)
@@ -525,6 +528,9 @@ class Trainer:
             "timed_window": [timed_steps[window[0]], timed_steps[window[-1]]] if window else None,
             # Unix times bounding the window (train.timing_start > 0), to match with device samples
             "timed_window_unix": [window_clock["start"], window_clock["end"]] if len(window_clock) == 2 else None,
+            # per step of that window: waiting for batches, GC collections, CUDA allocator calls
+            "host_window": per_step(window_host["start"], window_host["end"], steps=cfg.steps - cfg.timing_start)
+            if len(window_host) == 2 else None,
             "qps": 1e3 * global_batch / stats["median_step_ms"] if timed else float("nan"),
             "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
             "train_seconds": train_seconds,
@@ -706,8 +712,9 @@ class Trainer:
         return float(peak.item()) / 2**30
 
     def _compile_summary(self) -> Dict[str, Any]:
-        """The compile mode, the compiled modules and Dynamo's counters of this process (graphs
-        compiled, graph breaks by reason): a graph break or a recompile every step shows here."""
+        """The compile mode, the compiled modules, Dynamo's counters of this process (graphs
+        compiled, graph breaks by reason) and what the CUDA graphs did: a graph break, a recompile
+        or a CUDA graph recorded every step shows here."""
         from torch._dynamo.utils import counters
 
         breaks = {str(reason): int(n) for reason, n in counters["graph_break"].items()}
@@ -718,6 +725,7 @@ class Trainer:
             "graph_breaks": sum(breaks.values()),
             "dense_optimizer": dense_optimizer_kind(self.dense_optimizer),
             "graph_break_reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5]),
+            "cuda_graphs": cuda_graph_stats(self.ctx.device),
         }
 
     def _loka_summary(self) -> Optional[Dict[str, Any]]:
