@@ -208,7 +208,7 @@ def test_cuda_graph_stats_show_a_steady_loop_replaying():
     def step():
         model["mlp"](torch.randn(32, 40, device="cuda")).square().mean().backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()  # the gradients are the backward graph's outputs: dropped, not zeroed in place
         end_compiled_step()
 
     for _ in range(4):
