@@ -55,6 +55,12 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list).
 
+A run named ``<run>@<k>`` (``k >= 2``) is the ``k``-th repeat of ``<run>`` in the same call,
+with the same configuration, seed and data, e.g. ``--runs bf16_compile_cudagraphs,loka_compile,
+loka_compile@2,bf16_compile_cudagraphs@2`` (A B B A: a drift during the call weighs on both). A
+repeat's speed-up is against the first run's reference, so a bf16 repeat's is the run-to-run
+spread of one configuration: the size a difference must exceed to be LoKA's.
+
 Every run gets ``train.autocast=<--autocast>`` (default bf16: GEMMs left in high precision and
 the other dense ops run in bf16 under ``torch.autocast``) and its ``train.compile`` mode (eager runs
 say ``none``, so that the job's default does not decide). A run whose library is not installed,
@@ -206,9 +212,32 @@ DEFAULT_RUNS = (
     "loka_compile",
 )  # fmt: skip
 # Runs of the hand-written CUDA-graph machinery, and what replaces each under torch.compile.
+REPEAT_SEPARATOR = "@"
+
+
+def run_spec(name: str) -> RunSpec:
+    """The run ``name`` of :data:`RUNS`, or a repeat of one (``<run>@<k>``, ``k >= 2``).
+
+    Raises:
+        KeyError: not a run, or not a valid repeat of one.
+    """
+    base, sep, repeat = name.partition(REPEAT_SEPARATOR)
+    if base not in RUNS or sep and not (repeat.isdigit() and int(repeat) >= 2):
+        raise KeyError(name)
+    return dataclasses.replace(RUNS[base], name=name) if sep else RUNS[base]
+
+
 _RETIRED_RUNS = {"bf16_graphs": "bf16_compile_cudagraphs", "loka_graphs": "loka_compile", "loka_dense_graphs": "loka_compile"}
 # The eager torchao runs that --torchao-auto-filter applies to (the compiled ones always filter).
 _TORCHAO_FILTERABLE = ("torchao_tensorwise", "torchao_rowwise")
+
+
+def _is_run(name: str) -> bool:
+    try:
+        run_spec(name)
+    except KeyError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,11 +312,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.recipes = _names(args.recipes)
     args.runs = _names(args.runs)
     args.one_seed_runs = _names(args.one_seed_runs)
-    unknown = [r for r in args.runs + args.one_seed_runs if r not in RUNS]
+    unknown = [r for r in args.runs + args.one_seed_runs if not _is_run(r)]
     if unknown:
         retired = [r for r in unknown if r in _RETIRED_RUNS]
         hint = f" ({', '.join(retired)}: retired with the hand-written CUDA graphs; see {', '.join(_RETIRED_RUNS[r] for r in retired)})" if retired else ""
-        p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)}{hint}")
+        p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)} (a repeat: <run>@2, @3, ...){hint}")
+    repeated = sorted({r for r in args.runs if args.runs.count(r) > 1})
+    if repeated:
+        p.error(f"--runs: {', '.join(repeated)} listed twice; name a repeat <run>@2, <run>@3, ...")
     try:
         args.seeds = [int(s) for s in _names(args.seeds)]
     except ValueError:
@@ -605,7 +637,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
             row: Dict[str, Any] = {
                 "recipe": recipe,
                 "run": run,
-                "compile": RUNS[run].compile if run in RUNS else None,
+                "compile": run_spec(run).compile if _is_run(run) else None,
                 "seeds_ok": [r["seed"] for r in ok],
                 "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
@@ -1016,7 +1048,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         },
         "runs_dir": runs_dir,
-        "run_overrides": {name: [*RUNS[name].overrides, f"train.compile={RUNS[name].compile}"] for name in args.runs},
+        "run_overrides": {name: [*run_spec(name).overrides, f"train.compile={run_spec(name).compile}"] for name in args.runs},
         "speed_reference": f"per recipe and seed the faster of {', '.join(COMPILED_REFERENCES)}, else {FALLBACK_REFERENCE}",
         "ne_reference": list(NE_REFERENCES),
     }
@@ -1034,7 +1066,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_text_atomic(base + ".md", to_markdown(meta, rows, records))
 
     for seed, recipe, name in run_order(args):
-        spec = RUNS[name]
+        spec = run_spec(name)
         run_dir = os.path.join(runs_dir, recipe, name, f"seed{seed}")
         base_record = {"recipe": recipe, "run": name, "seed": seed, "run_dir": run_dir}
         reason = preflight(args, spec)

@@ -391,3 +391,27 @@ def test_host_section_shows_the_window_counters_and_the_cuda_graphs():
     assert "| dhen_large | loka_compile | 0 | 0.012 | 2.50 / 0.25 / 0.00 | 0.00 / 0.00 | 0.00 | 8 / 1 / 0 / 0 |" in lines
     assert any(line.startswith("| dhen_large | bf16 | 0 |") and line.endswith("| none |") for line in lines)
     assert not any("| te |" in line for line in lines) and e2e.host_section(records[2:]) == []
+
+
+def test_a_repeat_runs_the_same_configuration_and_shows_the_run_to_run_spread(capsys):
+    e2e = _driver()
+    args = e2e.parse_args(["--runs", "bf16_compile_cudagraphs,loka_compile,loka_compile@2,bf16_compile_cudagraphs@2"])
+    assert [name for _, _, name in e2e.run_order(args)][:4] == args.runs  # A B B A, as listed
+    repeat = e2e.run_spec("loka_compile@2")
+    assert repeat.name == "loka_compile@2" and repeat.overrides == e2e.RUNS["loka_compile"].overrides
+    assert repeat.compile == "reduce-overhead"
+    for bad in ("loka_compile@1", "loka_compile@x", "nope@2", "loka_compile@"):
+        with pytest.raises(KeyError):
+            e2e.run_spec(bad)
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--runs", bad])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--runs", "bf16,bf16"])
+    assert "listed twice; name a repeat" in capsys.readouterr().err
+    # The repeat's speed-up is against the first bf16 run: 8 / 8.4 is the spread of one configuration.
+    records = [_rec("bf16_compile_cudagraphs", 0, 8.0), _rec("loka_compile", 0, 7.5), _rec("loka_compile@2", 0, 7.7),
+               _rec("bf16_compile_cudagraphs@2", 0, 8.4)]  # fmt: skip
+    rows = {r["run"]: r for r in e2e.aggregate(records, ["r"], args.runs)}
+    assert rows["bf16_compile_cudagraphs@2"]["speedup_vs_reference"] == pytest.approx(8.0 / 8.4)
+    assert rows["loka_compile@2"]["speedup_vs_reference"] == pytest.approx(8.0 / 7.7)
+    assert rows["loka_compile@2"]["compile"] == "reduce-overhead"
