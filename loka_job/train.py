@@ -110,6 +110,15 @@ def format_summary(s: Dict[str, Any]) -> str:
             f"torch.compile    mode {compiled['mode']}: {', '.join(compiled['modules'])}; {compiled['graphs']} graph(s), "
             f"{compiled['graph_breaks']} graph break(s)"
         )
+    graphs = compiled.get("cuda_graphs")
+    if graphs:
+        lines.append(
+            f"CUDA graphs      {graphs['graphs']} recorded, {graphs['rerecords']} re-recorded, "
+            f"{graphs['skips']} graph(s) run without (TORCH_LOGS=cudagraphs says why)"
+        )
+    host = s.get("host_window")
+    if host:
+        lines.append(f"host per step    {f(host['data_wait_ms'], '.2f')} ms waiting for batches (timed steps)")
     if compiled.get("dense_optimizer"):
         note = " (PyTorch's Optimizer.step breaks its graph once, on purpose)" if compiled["dense_optimizer"] == "step compiled" else ""
         lines.append(f"dense Adagrad    {compiled['dense_optimizer']}{note}")

@@ -32,3 +32,20 @@ def test_counters_off_cuda_have_no_allocator_fields():
     counts = host_counters(TimedBatches(iter(())), "cpu")
     assert set(counts) == {"data_wait_s", "gc0", "gc1", "gc2"}
     assert per_step(counts, counts, steps=0)["data_wait_ms"] == 0.0  # no steps: divided by one, not by zero
+
+
+def test_the_printed_summary_says_what_the_cuda_graphs_did():
+    from loka_job.train import format_summary
+
+    summary = {
+        "steps": 300, "steps_this_run": 300, "world_size": 1, "device": "cuda:0", "median_step_ms": 8.0, "qps": 1.0,
+        "train_ne": 0.9, "train_auc": 0.7, "eval_ne": 0.9, "eval_auc": 0.7, "run_dir": "/tmp/run",
+        "compile": {"mode": "reduce-overhead", "modules": ["over_arch"], "graphs": 4, "graph_breaks": 0,
+                    "cuda_graphs": {"functions": 12, "graphs": 8, "new_paths": 1, "rerecords": 0, "skips": 2}},
+        "host_window": {"data_wait_ms": 0.0684},
+    }  # fmt: skip
+    text = format_summary(summary)
+    assert "CUDA graphs      8 recorded, 0 re-recorded, 2 graph(s) run without" in text
+    assert "host per step    0.07 ms waiting for batches" in text
+    summary["compile"]["cuda_graphs"], summary["host_window"] = None, None
+    assert "CUDA graphs" not in format_summary(summary) and "host per step" not in format_summary(summary)
