@@ -94,6 +94,21 @@ def test_converted_model_compiles_whole_and_matches_eager():
     assert 1e-4 < err < 0.1
 
 
+def test_a_one_output_layer_compiles_with_tensorwise_fp8():
+    """A logit layer (``out_features=1``) in FP8: its grad-input GEMM has K = 1, where the weight's
+    transpose is both row- and column-major; Inductor's ``_scaled_mm`` lowering checks the strides
+    themselves, so the backend gives such operands the strides it expects."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 8), nn.ReLU(), nn.Linear(8, 1))
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise"))
+    reference = copy.deepcopy(model)
+    x, y = _step(torch.compile(model, fullgraph=True), 24, seed=2)
+    x_ref, y_ref = _step(reference, 24, seed=2)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model[2].weight.grad, reference[2].weight.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_padding_and_varying_batches_compile_once(monkeypatch):
     """With a 16-alignment (as on CUDA) every dim is padded symbolically: batches of any size after
     the first reuse one dynamic graph, and the results stay exact up to FP8."""

@@ -66,11 +66,22 @@ class ScaledMMBackend(GemmBackend):
         if a.data.is_cuda and a.granularity == Granularity.ROWWISE:
             mm_dtype = torch.bfloat16  # CUDA rowwise _scaled_mm produces bf16 only
         out = torch._scaled_mm(
-            a.data,
-            b.data.t(),
+            _with_strides(a.data, row_major=True),
+            _with_strides(b.data.t(), row_major=False),
             scale_a=a.dequant_scale,
             scale_b=scale_b,
             out_dtype=mm_dtype,
             use_fast_accum=recipe.fast_accum,
         )
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _with_strides(t: torch.Tensor, *, row_major: bool) -> torch.Tensor:
+    """``t`` (2-D) viewed with the strides of a row- or column-major matrix where a dim of size 1
+    leaves them free: the same elements, but Inductor's ``_scaled_mm`` lowering checks the strides
+    themselves (``mat_b must be col_major``) where eager PyTorch ignores a size-1 dim's stride."""
+    rows, cols = t.shape
+    if rows != 1 and cols != 1:
+        return t
+    strides = (cols, 1) if row_major else (1, rows)
+    return t if t.stride() == strides else t.as_strided((rows, cols), strides)  # the storage offset stays
