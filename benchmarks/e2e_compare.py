@@ -211,8 +211,7 @@ DEFAULT_RUNS = (
     "bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_tensorwise_compile", "torchao_rowwise_compile", "te",
     "loka_compile",
 )  # fmt: skip
-# Runs of the hand-written CUDA-graph machinery, and what replaces each under torch.compile.
-REPEAT_SEPARATOR = "@"
+REPEAT_SEPARATOR = "@"  # ``<run>@<k>``: the k-th run of one configuration in a call (module docstring)
 
 
 def run_spec(name: str) -> RunSpec:
@@ -227,6 +226,7 @@ def run_spec(name: str) -> RunSpec:
     return dataclasses.replace(RUNS[base], name=name) if sep else RUNS[base]
 
 
+# Runs of the hand-written CUDA-graph machinery, and what replaces each under torch.compile.
 _RETIRED_RUNS = {"bf16_graphs": "bf16_compile_cudagraphs", "loka_graphs": "loka_compile", "loka_dense_graphs": "loka_compile"}
 # The eager torchao runs that --torchao-auto-filter applies to (the compiled ones always filter).
 _TORCHAO_FILTERABLE = ("torchao_tensorwise", "torchao_rowwise")

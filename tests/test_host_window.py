@@ -22,7 +22,7 @@ def test_batch_waits_add_up_and_pass_items_and_the_end_through():
     end = host_counters(batches, "cpu")
     counts = per_step(start, end, steps=2)
     assert 20 <= counts["data_wait_ms"] < 200  # 2 x 20 ms of sleep over 2 steps
-    assert counts["gc2_per_step"] == pytest.approx(0.5)
+    assert counts["gc2_per_step"] >= 0.5  # at least the one above (an automatic one may join it)
     assert list(batches) == [2]
     with pytest.raises(StopIteration):
         next(batches)
