@@ -46,6 +46,7 @@ import time
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Pattern, Sequence, Tuple
 
 import torch
+from torch.autograd import DeviceType
 
 from loka_torchrec.atomic_files import write_json_atomic
 
@@ -282,8 +283,6 @@ def _is_annotation(event) -> bool:
 
 def _device_kernels(events) -> List[ProfiledEvent]:
     """The CUDA kernels, copies and sets of a ``torch.profiler`` event list."""
-    from torch.autograd import DeviceType
-
     return [
         ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.time_range.end - e.time_range.start)
         for e in events
@@ -313,8 +312,6 @@ def host_work(names: Iterable[str], num_steps: int) -> Dict[str, float]:
 
 def _cpu_operators(events) -> List[ProfiledEvent]:
     """The CPU operators of a ``torch.profiler`` event list, each with its self time."""
-    from torch.autograd import DeviceType
-
     return [
         ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total)
         for e in events
@@ -408,8 +405,6 @@ class StepProfiler:
         if self._steps_done == 0:
             return None
         events = prof.events()
-        from torch.autograd import DeviceType
-
         host = host_work((e.name for e in events if e.device_type == DeviceType.CPU), self._steps_done)
         if self.cuda:
             report = summarize_events(_device_kernels(events), classify=classify_kernel, num_steps=self._steps_done, wall_ms=wall_ms,
