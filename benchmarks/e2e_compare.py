@@ -868,7 +868,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}",
         f"- driver: `{meta['command']}`",
         f"- each run: {a['steps']} steps, step time over steps {a['window_start'] + 1}..{a['steps']} "
-        f"(median and p10/p90 of per-step times, {_timing_words(a.get('override') or [], a['device'])}; rank 0), "
+        f"(median, p10/p90 and mean of per-step times; the mean counts the Probe's monitoring steps, {_timing_words(a.get('override') or [], a['device'])}; rank 0), "
         f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}"
         + (", deterministic kernels (`train.deterministic=true`)" if a.get("deterministic") else ""),
         "- compile: each run's `train.compile` mode (none: eager; default: Inductor; reduce-overhead: Inductor "
@@ -896,7 +896,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             "",
             f"Speed-up reference: {reference_words(reference)}.",
             "",
-            "| run | compile | status | step ms median [p10, p90] | speed-up vs best bf16 compile | vs eager bf16 | QPS "
+            "| run | compile | status | step ms median [p10, p90], mean | speed-up vs best bf16 compile | vs eager bf16 | QPS "
             "| peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 |" + extra_head,
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if profiled else ""),
         ]
@@ -906,7 +906,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             fp8 = r.get("dispatch") or r.get("baseline") or "-"
             line = (
                 f"| {r['run']} | {r.get('compile') or '?'} | {r['status']} | {_fmt(r['median_step_ms'], '.2f')} "
-                f"[{_fmt(r['p10_step_ms'], '.2f')}, {_fmt(r['p90_step_ms'], '.2f')}] "
+                f"[{_fmt(r['p10_step_ms'], '.2f')}, {_fmt(r['p90_step_ms'], '.2f')}], {_fmt(r['mean_step_ms'], '.2f')} "
                 f"| {_times(r.get('speedup_vs_reference'))} | {_times(r.get('speedup_vs_bf16'))} | {_fmt(r['qps'], '.0f')} "
                 f"| {_fmt(r['peak_memory_gb'], '.2f')} | {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} | {ne_diff} "
                 f"| {_fmt(r['ne_seed_spread_pct'], '.3f')} | {fp8} |"

@@ -159,6 +159,7 @@ def format_summary(s: Dict[str, Any]) -> str:
             f"probe cost       {cost['extra_seconds']:.1f} s extra, {100 * cost['measured_share']:.2f}% of this run's step time"
             + (f"; projected {100 * projected:.2f}% of a {cost['horizon_steps']:,}-step run" if projected is not None else "")
             + (f", monitoring every {cost['monitoring_interval']:,} steps" if cost.get("monitoring_interval") else "")
+            + (", monitoring paused (no layer runs FP8)" if cost.get("monitoring_paused") else "")
         )
     profile = s.get("profile")
     if profile:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["GemmRole", "GemmShape", "KernelChoice", "Interval", "CandidateEvidence", "BF16"]
 
@@ -226,3 +226,9 @@ class EvidenceConsumer:
     def readmit(self, layer: str, *, step: int) -> None:
         """Let ``layer`` use its planned FP8 kernels again."""
         raise NotImplementedError
+
+    def guarded_layers(self) -> List[str]:
+        """The layers the safety valve guards: those that run an FP8 GEMM now, and those it sent
+        to bf16 that wait to run FP8 again. A layer that runs bf16 has nothing to fall back from,
+        and with no guarded layer the Probe skips its monitoring steps. Default: every managed layer."""
+        return sorted(self.managed_layers())

@@ -122,6 +122,17 @@ def test_safety_valve_fallback_and_readmit():
     assert [e["event"] for e in d.events] == ["fallback", "readmit"]
 
 
+def test_the_valve_guards_the_layers_that_run_fp8_or_wait_to():
+    fp8 = loka_torchrec.apply(mlp(), DispatchConfig(mode="all:scaled_mm:rowwise")).dispatcher
+    assert fp8.guarded_layers() == ["0", "2", "4"]
+    fp8.fallback("2", "amax jumped", step=7)
+    assert fp8.guarded_layers() == ["0", "2", "4"]  # "2" runs bf16 and waits to be readmitted
+    bf16 = loka_torchrec.apply(mlp(), DispatchConfig(mode="all-bf16")).dispatcher
+    assert bf16.guarded_layers() == []
+    bf16.fallback("2", "amax jumped", step=7)
+    assert bf16.guarded_layers() == []  # nothing in its plan to return to
+
+
 def _worker(rank, world, init_file, tamper, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -290,9 +290,9 @@ def test_job_has_compile_option_reads_the_installed_config():
     assert e2e.job_has_compile_option() == ("compile" in config.train)
 
 
-def _rec(run, seed, ms, ne=0.8, status="ok", profile=None):
+def _rec(run, seed, ms, ne=0.8, status="ok", profile=None, mean_ms=None):
     return {"recipe": "r", "run": run, "seed": seed, "status": status, "eval_ne": ne, "median_step_ms": ms,
-            "p10_step_ms": ms, "p90_step_ms": ms, "qps": 1000 / ms if ms else None, "eval_auc": 0.7,
+            "p10_step_ms": ms, "p90_step_ms": ms, "mean_step_ms": mean_ms or ms, "qps": 1000 / ms if ms else None, "eval_auc": 0.7,
             "peak_memory_gb": None, "profile": profile}  # fmt: skip
 
 
@@ -341,7 +341,7 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
                "idle_share": 0.1, "gemm_share": 0.8, "amdahl_2x_gemm_ceiling": 1.667, "amdahl_2x_gemm_ceiling_wall": 1.5,
                "shares": {"gemm_bf16": 0.5, "gemm_fp8": 0.3, "fp8_quantize": 0.05, "attention": 0.0, "embedding": 0.05,
                           "comms": 0.0, "memcpy_memset": 0.0, "other": 0.1}}  # fmt: skip
-    loka = dict(_rec("loka_compile", 0, 6.0, 0.81, profile=profile), command="x",
+    loka = dict(_rec("loka_compile", 0, 6.0, 0.81, profile=profile, mean_ms=6.5), command="x",
                 dispatch={"summary": "10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25)", "fp8_by_backend": {"scaled_mm": 10},
                           "fp8_gemms": 10, "gemms": 35})  # fmt: skip
     records = [_rec("bf16", 0, 14.0), _rec("bf16_compile_cudagraphs", 0, 8.0), loka]
@@ -352,9 +352,9 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
     md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
     assert "Speed-up reference: seed 0: `bf16_compile_cudagraphs` (8.00 ms)." in md
     row = next(line for line in md.splitlines() if line.startswith("| loka_compile |"))
-    assert row.startswith("| loka_compile | reduce-overhead | ok | 6.00 [6.00, 6.00] | 1.333x | 2.333x |")
+    assert row.startswith("| loka_compile | reduce-overhead | ok | 6.00 [6.00, 6.00], 6.50 | 1.333x | 2.333x |")
     assert row.endswith("| 10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25) | 80.0 | 1.667x |")
-    assert "| bf16 | none | ok | 14.00 [14.00, 14.00] | 0.571x | 1.000x |" in md
+    assert "| bf16 | none | ok | 14.00 [14.00, 14.00], 14.00 | 0.571x | 1.000x |" in md
     assert "## Where the step goes" in md
 
 

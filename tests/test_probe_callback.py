@@ -30,10 +30,14 @@ def _one_thread():
 class FakeDispatch(EvidenceConsumer):
     """Records every call the Probe makes."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, guarded=None):
         self.layers = layers
+        self.guarded = guarded  # None: every layer (the base class's answer)
         self.calls = []
         self.evidence = []
+
+    def guarded_layers(self):
+        return super().guarded_layers() if self.guarded is None else list(self.guarded)
 
     def managed_layers(self):
         return self.layers
@@ -184,6 +188,44 @@ def test_safety_valve_trips_on_a_distribution_shift_and_readmits_after_it_settle
     assert float(trig["value"]) > float(trig["bound"]) == pytest.approx(CFG.amax_jump_ratio * float(trig["reference"]))
     summary, problem = read_summary(tmp_path / "probe" / "summary.json")
     assert problem is None and [e["event"] for e in summary["layers"]["fc1"]["events"]] == ["fallback", "readmit"]
+
+
+def test_a_layer_that_runs_bf16_has_its_triggers_logged_but_does_not_fall_back(tmp_path):
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]}, guarded=["fc1"])
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 8, data=_shifted(6, "spike"))
+    cb.close()
+    assert [c[:3] for c in dispatch.calls if c[0] == "fallback"] == [("fallback", "fc1", 6)]
+    records, _ = read_rank_log(tmp_path / "probe" / "rank0.jsonl")
+    (fc2,) = [r for r in records if r["layer"] == "fc2" and r["step"] == 6]
+    assert fc2["event"] == "probe" and fc2["state"] == "planned"
+    assert any(t["signal"] == "amax_jump" for t in fc2["triggers"])
+
+
+def test_with_no_layer_to_guard_monitoring_steps_are_skipped_until_one_is(tmp_path):
+    model = _mlp()
+    dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]}, guarded=[])  # a plan without FP8 GEMMs
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    armed = []
+    for step in range(17):
+        if step == 12:
+            dispatch.guarded = ["fc1"]  # a re-plan put fc1 in FP8: the step after next (14) monitors again
+        armed.append(cb.probing)
+        assert cb.probing == bool(model[0]._forward_hooks)
+        model(torch.randn(32, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        cb.on_step_end(step)
+        if step == 11:
+            assert cb.monitoring_paused and not cb.is_probe_step(12)
+    cb.close()
+    assert [s for s, a in enumerate(armed) if a] == [0, 2, 14, 16]  # warm-up every 2 steps, then 4..12 skipped
+    assert cb.monitoring_steps == [14, 16] and cb.skipped_monitoring_steps == 5
+    assert not cb.monitoring_paused
+    summary, _ = read_summary(tmp_path / "probe" / "summary.json")
+    assert summary["skipped_monitoring_steps"] == 5
 
 
 def test_safety_valve_trips_on_nan(tmp_path):

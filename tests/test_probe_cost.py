@@ -52,6 +52,15 @@ def test_without_monitoring_steps_the_warmup_extra_stands_in():
     assert cost["projected_share"] == pytest.approx(expected)
 
 
+def test_with_monitoring_paused_the_projection_counts_no_monitoring_step():
+    config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=500)
+    times = _times(config, 300)
+    del times[100]  # skipped: no layer ran FP8
+    cost = probe_cost(times, config, monitoring_paused=True, horizon_steps=100_000)
+    assert cost["monitoring_interval"] is None and cost["monitoring_from"].startswith("none: monitoring paused")
+    assert cost["projected_share"] == pytest.approx((9 * 3.0 + cost["plan_extra_ms"]) / (100_000 * 8.0))
+
+
 def test_only_a_window_of_steps_and_bad_arguments():
     config = ProbeConfig(enabled=True, every=10, warmup_steps=100, every_after=500)
     times = {s: t for s, t in _times(config, 300).items() if s > 150}  # the plan and warm-up not in the window
@@ -78,6 +87,8 @@ def test_the_printed_run_summary_reports_the_layer_check_and_the_probe_cost():
     cost = summary["probe_cost"]
     assert f"{100 * cost['measured_share']:.2f}% of this run's step time" in text
     assert f"projected {100 * cost['projected_share']:.2f}% of a 10,000-step run, monitoring every 50 steps" in text
+    summary["probe_cost"] = probe_cost(_times(config, 300), config, monitoring_paused=True, horizon_steps=10_000)
+    assert "of a 10,000-step run, monitoring paused (no layer runs FP8)" in format_summary(summary)
 
 
 def test_the_projection_uses_the_budgeted_interval_and_the_reported_monitoring_steps():

@@ -94,6 +94,7 @@ def test_dispatcher_returns_every_gemm_to_bf16_when_the_step_got_slower(tmp_path
         assert "12.00 ms with FP8 vs 10.00 ms in bf16" in d.step_guard_reason
         d.readmit("0", step=20)  # a readmission by the Probe's valve does not override the guard
         assert not d._runs_fp8()
+    assert d.guarded_layers() == (["0", "2"] if keeps else [])  # the valve guards nothing once FP8 is off
 
 
 def _guard_worker(rank, world, init_file, out_dir):

@@ -611,7 +611,8 @@ class Trainer:
         from loka_torchrec.probe.cost import probe_cost
 
         return probe_cost(
-            {n: 1e3 * t for n, t in zip(steps, seconds)}, self.probe.config, monitoring_steps=self.probe.monitoring_steps
+            {n: 1e3 * t for n, t in zip(steps, seconds)}, self.probe.config,
+            monitoring_steps=self.probe.monitoring_steps, monitoring_paused=self.probe.monitoring_paused,
         )
 
     @torch.no_grad()

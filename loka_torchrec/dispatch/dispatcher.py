@@ -273,6 +273,14 @@ class Dispatcher(EvidenceConsumer):
         self._record({"event": "readmit", "step": step, "layer": layer})
         logger.info("dispatch: layer %s readmitted to its planned kernels at step %d", layer, step)
 
+    def guarded_layers(self) -> List[str]:
+        """The layers whose GEMMs run FP8 now, and those sent back to bf16 whose plan has FP8 to
+        return to (none once the step-time guard turned FP8 off): what the safety valve watches."""
+        waiting = set()
+        if self.step_guard_reason is None:
+            waiting = {n for n in self._fallen_back if n in self.plan.layers and not self.plan.layers[n].kernels.all_high_precision}
+        return sorted(n for n, m in self._layers.items() if not m.kernels.all_high_precision or n in waiting)
+
     # ------------------------------------------------------------------ step-time guard
     def observe_step_time(self, step: int, step_ms: float) -> Optional[GuardVerdict]:
         """Report one training step's wall time (ms, as the training loop times it) to the guard.

@@ -97,6 +97,11 @@ class MonitorCadence:
         behind = step - self.config.warmup_steps
         self.next_step = self.config.warmup_steps + math.ceil(behind / self.config.every_after) * self.config.every_after
 
+    def skip(self, step: int) -> None:
+        """Pass over the monitoring step ``step``: the next one comes an interval later."""
+        if self.next_step == step:
+            self.next_step = step + self.interval
+
     def tick(self, *, plain: bool) -> None:
         """Close the current step on the clock; a ``plain`` step's wall time joins the reference."""
         now = self._clock()

@@ -29,10 +29,13 @@ What happens, step by step:
   training time (:mod:`loka_torchrec.probe.cadence`; all ranks agree on the interval).
   Each monitoring step is compared with the reference
   (:mod:`loka_torchrec.probe.valve`): a layer that trips is sent to bf16 with
-  ``consumer.fallback(layer, reason, step=step)``. Once ``readmit_windows`` later probe steps
-  show a settled distribution, the layer is re-evaluated on the new statistics; if some
-  candidate's error grew past ``readmit_error_ratio`` times its plan-time error, Dispatch
-  re-plans with the new evidence first; then ``consumer.readmit(layer, step=step)``.
+  ``consumer.fallback(layer, reason, step=step)``; only the consumer's ``guarded_layers()``
+  (those that run FP8, or wait to) can trip, and while none is guarded, as after a plan without
+  FP8 GEMMs, the monitoring steps are skipped (no hooks, no collective). Once
+  ``readmit_windows`` later probe steps show a settled distribution, the layer is re-evaluated
+  on the new statistics; if some candidate's error grew past ``readmit_error_ratio`` times its
+  plan-time error, Dispatch re-plans with the new evidence first; then
+  ``consumer.readmit(layer, step=step)``.
   Verdicts are computed from merged statistics and broadcast from rank 0, so all ranks agree.
 """
 
@@ -155,6 +158,7 @@ class ProbeCallback:
         self._handles: List[Any] = []
         self._layers: Dict[str, LayerState] = {}
         self._monitoring_steps: List[int] = []  # the steps after the warm-up window that probed
+        self.skipped_monitoring_steps = 0  # monitoring steps skipped: no layer to guard
         if not self.enabled:
             return
         self.model = model
@@ -253,12 +257,21 @@ class ProbeCallback:
         return self._layers[name]
 
     @property
+    def monitoring_paused(self) -> bool:
+        """Whether monitoring steps are skipped: the plan is made and no layer is guarded (none runs
+        an FP8 GEMM or waits to), so the safety valve has nothing to act on."""
+        return self.enabled and self.planned and not self._guarded()
+
+    @property
     def monitoring_steps(self) -> List[int]:
         """The steps after the warm-up window that collected statistics, in order."""
         return list(self._monitoring_steps)
 
     def is_probe_step(self, step: int) -> bool:
-        """Whether ``step`` collects statistics (warm-up cadence, then the monitoring schedule)."""
+        """Whether ``step`` collects statistics (warm-up cadence, then the monitoring schedule,
+        whose steps are skipped while monitoring is paused)."""
+        if step >= self.config.warmup_steps and self.monitoring_paused:
+            return False
         return self.cadence.is_probe_step(step)
 
     def resume_at(self, step: int) -> None:
@@ -268,10 +281,8 @@ class ProbeCallback:
             return
         self.cadence.resume_at(step)
         self.cadence.restart_clock()
-        if self.cadence.is_probe_step(step):
-            self._arm()
-        else:
-            self._disarm()
+        self._disarm()
+        self._arm_for(step)
 
     def on_step_end(self, step: int) -> None:
         """Call once after every optimizer step, with the step's number, on every rank."""
@@ -303,8 +314,7 @@ class ProbeCallback:
                     step, "?" if self.cadence.last_extra_ms is None else f"{self.cadence.last_extra_ms:.1f}",
                     interval, 100 * self.config.monitor_budget,
                 )
-        if self.cadence.is_probe_step(step + 1):
-            self._arm()
+        self._arm_for(step + 1)
 
     def close(self) -> None:
         """Remove the hooks, flush the logs and write the final summary (rank 0). Idempotent."""
@@ -354,6 +364,25 @@ class ProbeCallback:
             hook = functools.partial(self._forward_hook, state)
             self._handles.append(state.module.register_forward_hook(hook, with_kwargs=True))
         self._armed = True
+
+    def _guarded(self) -> set:
+        """The layers the safety valve may send to bf16 (all of them without a consumer)."""
+        if self.consumer is None:
+            return set(self._layers)
+        return set(self.consumer.guarded_layers()) & set(self._layers)
+
+    def _arm_for(self, step: int) -> None:
+        """Arm the hooks when ``step`` is a probe step, unless it is a monitoring step with no layer to guard
+        (then the schedule moves one interval on; every rank decides alike, from the same plan)."""
+        if not self.cadence.is_probe_step(step):
+            return
+        if step >= self.config.warmup_steps and self.monitoring_paused:
+            if self.skipped_monitoring_steps == 0 and self.rank == 0:
+                logger.info("Probe: no layer runs an FP8 GEMM: monitoring steps are skipped until one does (from step %d)", step)
+            self.skipped_monitoring_steps += 1
+            self.cadence.skip(step)
+            return
+        self._arm()
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -550,6 +579,7 @@ class ProbeCallback:
     # ------------------------------------------------------------------------------ safety valve
     def _safety_valve(self, step, states, merged_act, merged_grad, digests, records) -> None:
         verdicts: Dict[str, Tuple[str, List[Dict[str, Any]]]] = {}
+        guarded = self._guarded()
         for state, m_act, m_grad in zip(states, merged_act, merged_grad):
             digest = digests[state.name]
             if state.state == "planned":
@@ -571,7 +601,8 @@ class ProbeCallback:
                 for t in triggers
             ]
             if state.state == "planned":
-                action = "fallback" if triggers else "ok"
+                # A layer that runs bf16 has nothing to fall back from; its triggers are only logged.
+                action = "fallback" if triggers and state.name in guarded else "ok"
             elif state.state == "fallback":
                 action = "restart" if triggers else ("recover" if m_act.count else "idle")
             else:
@@ -710,6 +741,7 @@ class ProbeCallback:
             "seconds": dict(self.seconds),
             "cadence": self.cadence.summary(),
             "monitoring_steps": list(self._monitoring_steps),
+            "skipped_monitoring_steps": self.skipped_monitoring_steps,
             "layers": layers,
             "events": self._events,
         }

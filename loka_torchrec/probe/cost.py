@@ -13,7 +13,8 @@ that changes the step time (FP8 on) does not count as Probe cost. From those ext
   (:func:`~loka_torchrec.probe.cadence.monitor_interval`) sets for the measured extra. When the
   run saw no monitoring step, the warm-up probe step's extra stands in for it (a stand-in, not a
   bound: monitoring collects less, but one measured run had a slower monitoring step than its
-  warm-up steps) and ``monitoring_from`` says so.
+  warm-up steps) and ``monitoring_from`` says so. When the run ended with monitoring paused (no
+  layer runs FP8, so the Probe skips its monitoring steps), the projection counts none.
 
 Step numbers are the training loop's (from 1). A step ``s < warmup_steps`` is a probe step when
 ``ProbeConfig.is_probe_step(s)``; after the warm-up window the monitoring steps are the ones the
@@ -60,6 +61,7 @@ def probe_cost(
     config: ProbeConfig,
     *,
     monitoring_steps: Optional[Iterable[int]] = None,
+    monitoring_paused: bool = False,
     horizon_steps: int = 100_000,
     neighbours: int = 10,
 ) -> Dict[str, Any]:
@@ -70,6 +72,8 @@ def probe_cost(
         config: the Probe's configuration (its cadence).
         monitoring_steps: the steps after the warm-up window that probed (``ProbeCallback.
             monitoring_steps``); ``None``: those of the fixed ``every_after`` grid.
+        monitoring_paused: the run ended with its monitoring steps skipped
+            (``ProbeCallback.monitoring_paused``): the projection counts none.
         horizon_steps: the run length the projection is for.
         neighbours: plain steps whose median is the reference of each probe step.
 
@@ -113,10 +117,14 @@ def probe_cost(
     warmup_extra = _median(extras["warmup"])
     monitoring_extra = _median(extras["monitoring"])
     monitoring_from = "monitoring steps"
-    if monitoring_extra is None:
+    if monitoring_paused:
+        monitoring_from = "none: monitoring paused (no layer runs an FP8 GEMM)"
+    elif monitoring_extra is None:
         monitoring_extra, monitoring_from = warmup_extra, "warm-up probe steps (no monitoring step in this run)"
     projected = None
-    interval = monitor_interval(monitoring_extra, steady_ms, config) if config.every_after else None
+    interval = None
+    if config.every_after and not monitoring_paused:
+        interval = monitor_interval(monitoring_extra, steady_ms, config)
     if steady_ms and warmup_extra is not None:
         warmup_probes = sum(1 for s in range(1, min(config.warmup_steps, horizon_steps + 1)) if config.is_probe_step(s))
         monitoring_probes = 0
@@ -133,6 +141,7 @@ def probe_cost(
         "monitoring_probe_steps": len(extras["monitoring"]),
         "monitoring_extra_ms": monitoring_extra,
         "monitoring_from": monitoring_from,
+        "monitoring_paused": monitoring_paused,
         "monitoring_interval": interval,
         "plan_extra_ms": max(extras["plan"]) if extras["plan"] else None,
         "extra_seconds": extra_ms / 1e3,
