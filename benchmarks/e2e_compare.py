@@ -33,6 +33,10 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
 * ``bf16``: LoKA's model (Mods on) with every GEMM in bf16 (``loka.dispatch.mode=all-bf16``), eager;
 * ``bf16_compile``, ``bf16_compile_cudagraphs``: the same with ``train.compile=default`` and
   ``train.compile=reduce-overhead``: the baseline users run, and the reference for speed-ups;
+* ``bf16_probed_compile_cudagraphs`` (not in the default list): ``bf16_compile_cudagraphs`` with the
+  Probe on: it learns, measures the candidates and plans at the end of its warm-up as in
+  ``loka_compile``, and Dispatch's static mode keeps every GEMM in bf16: what the learning leaves
+  behind in the steady state, apart from any kernel it changes;
 * ``bf16_nomods``: the plain model (``loka.enabled=false``), eager;
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's
   ``convert_to_float8_training`` with its own size filter (``baseline.auto_filter=true``) on the
@@ -152,6 +156,7 @@ class RunSpec:
 
 
 _BF16 = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
+_BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=all")
 # Comms at the default ("auto": fp8 or fp32 per direction, from a timing of the run's all-to-all),
 # so the benchmark measures what a user gets.
 _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
@@ -185,6 +190,7 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16", _BF16),
         RunSpec("bf16_compile", _BF16, compile="default"),
         RunSpec("bf16_compile_cudagraphs", _BF16, compile="reduce-overhead"),
+        RunSpec("bf16_probed_compile_cudagraphs", _BF16_PROBED, compile="reduce-overhead"),
         RunSpec("bf16_nomods", ("loka.enabled=false",)),
         _torchao("torchao_tensorwise_compile", "tensorwise", "reduce-overhead", auto_filter=True),
         _torchao("torchao_rowwise_compile", "rowwise", "reduce-overhead", auto_filter=True),
@@ -212,6 +218,11 @@ DEFAULT_RUNS = (
     "loka_compile",
 )  # fmt: skip
 REPEAT_SEPARATOR = "@"  # ``<run>@<k>``: the k-th run of one configuration in a call (module docstring)
+
+
+def probes(spec: RunSpec) -> bool:
+    """Whether the run learns with the Probe (and plans at the end of its warm-up)."""
+    return spec.name.startswith("loka") or "loka.probe.enabled=true" in spec.overrides
 
 
 def run_spec(name: str) -> RunSpec:
@@ -330,7 +341,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--steps: must be >= 2, got {args.steps}")
     if args.nproc < 1:
         p.error(f"--nproc: must be >= 1, got {args.nproc}")
-    has_loka = any(r.startswith("loka") for r in args.runs)
+    has_loka = any(probes(run_spec(r)) for r in args.runs)
     if args.window_start is None:
         # After the loka runs' plan (end of the probe's warm-up) and the step-time guard's verdict
         # (5 + 50 steps later), whichever runs are listed: invocations with the same --steps and
@@ -369,7 +380,7 @@ def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: in
     # the option gets no override for them (compiled runs are skipped there, see preflight).
     if spec.compile != "none" or job_has_compile_option():
         overrides.append(f"train.compile={spec.compile}")
-    if spec.name.startswith("loka"):  # every LoKA run plans at the end of the same warm-up
+    if probes(spec):  # every run with the Probe plans at the end of the same warm-up
         overrides.append(f"loka.probe.warmup_steps={args.probe_warmup}")
     if args.torchao_auto_filter and spec.name in _TORCHAO_FILTERABLE:
         overrides.append("baseline.auto_filter=true")
@@ -721,21 +732,27 @@ def host_section(records: List[Dict[str, Any]]) -> List[str]:
     lines = [
         "## The host during the timed steps",
         "",
-        "Per step of the timed window (profiled steps included): time the loop waited for a batch, Python's garbage "
-        "collections (generations 0 / 1 / 2), the CUDA allocator's calls to the driver (`cudaMalloc` / `cudaFree`) "
-        "and allocation retries. CUDA graphs: at the run's end, graphs recorded / recordings after the first "
-        "(`new_paths`) / re-recordings / graphs run without CUDA graphs (`loka_torchrec.compile.cuda_graph_stats`).",
+        "Per step of the timed window (profiled steps included): time the loop waited for a batch, CPU time of the "
+        "training thread and of the whole process (ms; the difference is other threads'), the training thread's "
+        "context switches (voluntary / involuntary: preempted), the process's threads at the window's end, Python's "
+        "garbage collections (generations 0 / 1 / 2), the CUDA allocator's calls to the driver (`cudaMalloc` / "
+        "`cudaFree`) and allocation retries. CUDA graphs: at the run's end, graphs recorded / recordings after the "
+        "first (`new_paths`) / re-recordings / graphs run without CUDA graphs (`loka_torchrec.compile.cuda_graph_stats`).",
         "",
-        "| recipe | run | seed | batch wait ms | GC collections | cudaMalloc / cudaFree | alloc retries | CUDA graphs: recorded / new paths / re-recorded / skipped |",
-        "|---|---|---|---|---|---|---|---|",
+        "| recipe | run | seed | batch wait ms | CPU ms: thread / process | switches | threads | GC collections "
+        "| cudaMalloc / cudaFree | alloc retries | CUDA graphs: recorded / new paths / re-recorded / skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in counted:
         h = r["host_window"]
         gc_cell = " / ".join(_fmt(h.get(f"gc{g}_per_step"), ".2f") for g in range(3))
         graphs = (r.get("compile") or {}).get("cuda_graphs")
         graphs_cell = " / ".join(str(graphs[k]) for k in ("graphs", "new_paths", "rerecords", "skips")) if graphs else "none"
+        switches = f"{_fmt(h.get('thread_switches_voluntary_per_step'), '.1f')} / {_fmt(h.get('thread_switches_involuntary_per_step'), '.2f')}"
         lines.append(
-            f"| {r['recipe']} | {r['run']} | {r['seed']} | {_fmt(h.get('data_wait_ms'), '.3f')} | {gc_cell} "
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {_fmt(h.get('data_wait_ms'), '.3f')} "
+            f"| {_fmt(h.get('thread_cpu_ms'), '.2f')} / {_fmt(h.get('process_cpu_ms'), '.2f')} | {switches} "
+            f"| {_fmt(h.get('threads'), '.0f')} | {gc_cell} "
             f"| {_fmt(h.get('cuda_mallocs_per_step'), '.2f')} / {_fmt(h.get('cuda_frees_per_step'), '.2f')} "
             f"| {_fmt(h.get('alloc_retries_per_step'), '.2f')} | {graphs_cell} |"
         )

@@ -118,7 +118,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         )
     host = s.get("host_window")
     if host:
-        lines.append(f"host per step    {f(host['data_wait_ms'], '.2f')} ms waiting for batches (timed steps)")
+        cpu = ""
+        if host.get("thread_cpu_ms") is not None:
+            cpu = f", {f(host['thread_cpu_ms'], '.2f')} ms CPU on the training thread, {f(host['process_cpu_ms'], '.2f')} ms in the process"
+        lines.append(f"host per step    {f(host['data_wait_ms'], '.2f')} ms waiting for batches{cpu} (timed steps)")
     if compiled.get("dense_optimizer"):
         note = " (PyTorch's Optimizer.step breaks its graph once, on purpose)" if compiled["dense_optimizer"] == "step compiled" else ""
         lines.append(f"dense Adagrad    {compiled['dense_optimizer']}{note}")

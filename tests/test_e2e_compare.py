@@ -38,6 +38,14 @@ def test_run_overrides_and_window(monkeypatch):
     bf16 = e2e.run_overrides(args, "dlrm_large", e2e.RUNS["bf16"], 0)
     assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all" in bf16
     assert "train.compile=none" in bf16 and "train.compile=none" in loka  # eager says so: the job's default never decides
+    # bf16 kernels with the Probe learning and planning: it plans at the same step as the LoKA runs
+    probed = e2e.run_overrides(args, "hstu_large", e2e.RUNS["bf16_probed_compile_cudagraphs"], 0)
+    for item in ("loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.probe.warmup_steps=200",
+                 "train.compile=reduce-overhead"):
+        assert item in probed
+    assert "loka.probe.warmup_steps=200" not in bf16
+    with pytest.raises(SystemExit):  # its window must start after its plan, as a LoKA run's
+        e2e.parse_args(["--runs", "bf16_probed_compile_cudagraphs", "--steps", "300", "--window-start", "100"])
     # the window starts after the probe's warm-up (the plan) and the step-time guard's verdict
     assert e2e.parse_args(["--runs", "loka", "--steps", "300"]).window_start == 280
     # the same window without loka runs, so that separate invocations time the same steps
@@ -378,7 +386,8 @@ def test_gpu_window_takes_the_samples_inside_the_timed_steps(tmp_path):
 
 def test_host_section_shows_the_window_counters_and_the_cuda_graphs():
     e2e = _driver()
-    window = {"data_wait_ms": 0.0123, "gc0_per_step": 2.5, "gc1_per_step": 0.25, "gc2_per_step": 0.0,
+    window = {"data_wait_ms": 0.0123, "thread_cpu_ms": 9.5, "process_cpu_ms": 12.25, "thread_switches_voluntary_per_step": 3.0,
+              "thread_switches_involuntary_per_step": 0.125, "threads": 41.0, "gc0_per_step": 2.5, "gc1_per_step": 0.25, "gc2_per_step": 0.0,
               "cuda_mallocs_per_step": 0.0, "cuda_frees_per_step": 0.0, "alloc_retries_per_step": 0.0}  # fmt: skip
     graphs = {"functions": 12, "graphs": 8, "new_paths": 1, "rerecords": 0, "skips": 0}
     records = [
@@ -388,7 +397,7 @@ def test_host_section_shows_the_window_counters_and_the_cuda_graphs():
         {"recipe": "dhen_large", "run": "te", "seed": 0, "status": "failed"},
     ]  # fmt: skip
     lines = e2e.host_section(records)
-    assert "| dhen_large | loka_compile | 0 | 0.012 | 2.50 / 0.25 / 0.00 | 0.00 / 0.00 | 0.00 | 8 / 1 / 0 / 0 |" in lines
+    assert "| dhen_large | loka_compile | 0 | 0.012 | 9.50 / 12.25 | 3.0 / 0.12 | 41 | 2.50 / 0.25 / 0.00 | 0.00 / 0.00 | 0.00 | 8 / 1 / 0 / 0 |" in lines
     assert any(line.startswith("| dhen_large | bf16 | 0 |") and line.endswith("| none |") for line in lines)
     assert not any("| te |" in line for line in lines) and e2e.host_section(records[2:]) == []
 

@@ -1,6 +1,7 @@
 """The host's counters over the timed window: batch waits, garbage collections, allocator calls."""
 
 import gc
+import threading
 import time
 
 import pytest
@@ -14,6 +15,12 @@ def _slow(n, seconds):
         yield i
 
 
+def _spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def test_batch_waits_add_up_and_pass_items_and_the_end_through():
     batches = TimedBatches(_slow(3, 0.02))
     start = host_counters(batches, "cpu")
@@ -23,14 +30,29 @@ def test_batch_waits_add_up_and_pass_items_and_the_end_through():
     counts = per_step(start, end, steps=2)
     assert 20 <= counts["data_wait_ms"] < 200  # 2 x 20 ms of sleep over 2 steps
     assert counts["gc2_per_step"] >= 0.5  # at least the one above (an automatic one may join it)
+    assert counts["thread_switches_voluntary_per_step"] >= 1  # each sleep gives the CPU up
+    assert counts["threads"] >= 1
     assert list(batches) == [2]
     with pytest.raises(StopIteration):
         next(batches)
 
 
+def test_cpu_time_of_the_training_thread_and_of_other_threads():
+    batches = TimedBatches(iter(()))
+    start = host_counters(batches, "cpu")
+    _spin(0.05)  # the training thread works
+    helper = threading.Thread(target=_spin, args=(0.1,))  # another thread of the process works
+    helper.start()
+    helper.join()
+    counts = per_step(start, host_counters(batches, "cpu"), steps=1)
+    assert 35 <= counts["thread_cpu_ms"] < 100  # the 50 ms spin, not the helper's 100 ms
+    assert counts["process_cpu_ms"] >= counts["thread_cpu_ms"] + 70  # the helper's spin too
+
+
 def test_counters_off_cuda_have_no_allocator_fields():
     counts = host_counters(TimedBatches(iter(())), "cpu")
-    assert set(counts) == {"data_wait_s", "gc0", "gc1", "gc2"}
+    assert set(counts) == {"data_wait_s", "thread_cpu_s", "process_cpu_s", "thread_switches_voluntary",
+                           "thread_switches_involuntary", "gc0", "gc1", "gc2"}
     assert per_step(counts, counts, steps=0)["data_wait_ms"] == 0.0  # no steps: divided by one, not by zero
 
 
@@ -42,10 +64,10 @@ def test_the_printed_summary_says_what_the_cuda_graphs_did():
         "train_ne": 0.9, "train_auc": 0.7, "eval_ne": 0.9, "eval_auc": 0.7, "run_dir": "/tmp/run",
         "compile": {"mode": "reduce-overhead", "modules": ["over_arch"], "graphs": 4, "graph_breaks": 0,
                     "cuda_graphs": {"functions": 12, "graphs": 8, "new_paths": 1, "rerecords": 0, "skips": 2}},
-        "host_window": {"data_wait_ms": 0.0684},
+        "host_window": {"data_wait_ms": 0.0684, "thread_cpu_ms": 7.514, "process_cpu_ms": 9.02},
     }  # fmt: skip
     text = format_summary(summary)
     assert "CUDA graphs      8 recorded, 0 re-recorded, 2 graph(s) run without" in text
-    assert "host per step    0.07 ms waiting for batches" in text
+    assert "host per step    0.07 ms waiting for batches, 7.51 ms CPU on the training thread, 9.02 ms in the process" in text
     summary["compile"]["cuda_graphs"], summary["host_window"] = None, None
     assert "CUDA graphs" not in format_summary(summary) and "host per step" not in format_summary(summary)

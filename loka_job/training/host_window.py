@@ -1,11 +1,15 @@
-"""What the host did over the timed window, per step: waiting for batches, Python's garbage
-collections, and the CUDA allocator going to the driver.
+"""What the host did over the timed window, per step: waiting for batches, CPU time of the
+training thread and of the whole process, the training thread's context switches, Python's
+garbage collections, and the CUDA allocator going to the driver.
 
 A step whose GPU idles (the large presets) is set by the host's training thread, and two runs
 that launch the same kernels can still differ in step time. These counters say where such a
 difference comes from without a profiler (which slows the host itself): the loop waiting on the
-loader, collections of a larger Python heap, or ``cudaMalloc``/``cudaFree`` calls and allocation
-retries of a fragmented cache (each one synchronizes the device).
+loader, more Python work on the training thread (its CPU time), other threads of the process
+taking CPU (process minus thread CPU time; the thread count at the window's end) or the thread
+being preempted (involuntary context switches), collections of a larger Python heap, or
+``cudaMalloc``/``cudaFree`` calls and allocation retries of a fragmented cache (each one
+synchronizes the device).
 
 Example::
 
@@ -20,6 +24,9 @@ Example::
 from __future__ import annotations
 
 import gc
+import os
+import resource
+import threading
 import time
 from typing import Any, Dict, Iterator
 
@@ -47,8 +54,13 @@ class TimedBatches:
 
 
 def host_counters(batches: TimedBatches, device: "torch.device | str") -> Dict[str, float]:
-    """The running totals that :func:`per_step` turns into per-step numbers."""
-    counters = {"data_wait_s": batches.wait_seconds}
+    """The running totals that :func:`per_step` turns into per-step numbers (call it on the
+    training thread: the thread counters are the caller's)."""
+    counters = {"data_wait_s": batches.wait_seconds, "thread_cpu_s": time.thread_time(), "process_cpu_s": time.process_time()}
+    if hasattr(resource, "RUSAGE_THREAD"):  # Linux
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        counters["thread_switches_voluntary"] = float(usage.ru_nvcsw)
+        counters["thread_switches_involuntary"] = float(usage.ru_nivcsw)
     for generation, stats in enumerate(gc.get_stats()):
         counters[f"gc{generation}"] = float(stats["collections"])
     device = torch.device(device)
@@ -61,10 +73,22 @@ def host_counters(batches: TimedBatches, device: "torch.device | str") -> Dict[s
 
 
 def per_step(start: Dict[str, float], end: Dict[str, float], *, steps: int) -> Dict[str, float]:
-    """The counters' growth from ``start`` to ``end`` per step (``data_wait_ms``: milliseconds)."""
+    """The counters' growth from ``start`` to ``end`` per step: times (``*_s`` totals) as
+    ``*_ms``, counts as ``*_per_step``; and ``threads``, the process's threads at ``end``."""
     steps = max(1, steps)
-    out = {"data_wait_ms": 1e3 * (end["data_wait_s"] - start["data_wait_s"]) / steps}
+    out: Dict[str, float] = {}
     for key in end:
-        if key != "data_wait_s":
+        if key.endswith("_s"):
+            out[f"{key[:-2]}_ms"] = 1e3 * (end[key] - start[key]) / steps
+        else:
             out[f"{key}_per_step"] = (end[key] - start[key]) / steps
+    out["threads"] = float(_thread_count())
     return out
+
+
+def _thread_count() -> int:
+    """OS threads of this process (Linux: ``/proc/self/task``; elsewhere Python's threads)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
