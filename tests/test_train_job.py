@@ -58,9 +58,10 @@ def test_two_rank_training_with_loka_learns_and_logs(tmp_path):
     assert "loka-torchrec run summary" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 60 and summary["world_size"] == 2
-    assert "ms waiting for batches (timed steps)" in proc.stdout
+    assert "ms waiting for batches, " in proc.stdout and "ms CPU on the training thread" in proc.stdout
     host = summary["host_window"]  # steps 41..60: batches made in the loop, on the CPU
     assert host["data_wait_ms"] > 0 and "gc0_per_step" in host and "cuda_mallocs_per_step" not in host
+    assert 0 < host["thread_cpu_ms"] <= host["process_cpu_ms"]
     assert summary["compile"]["cuda_graphs"] is None
     assert summary["eval_ne"] < 1.0
     # loss falls: the first logged window's NE is above the last one's
