@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -365,7 +365,7 @@ class ProbeCallback:
             self._handles.append(state.module.register_forward_hook(hook, with_kwargs=True))
         self._armed = True
 
-    def _guarded(self) -> set:
+    def _guarded(self) -> Set[str]:
         """The layers the safety valve may send to bf16 (all of them without a consumer)."""
         if self.consumer is None:
             return set(self._layers)
