@@ -98,6 +98,8 @@ def test_resume_continues_step_counter_and_metrics(tmp_path):
     proc = launch(resumed, "train.steps=30", f"train.resume={run_dir}", "loka.dispatch.mode=all:scaled_mm:rowwise")
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["resumed_from"] == 20 and summary["steps"] == 30 and summary["steps_this_run"] == 10
+    # the default window skips min(5, 10 // 4) warm-up steps of this run; the host's counters cover it too
+    assert summary["timed_window"] == [23, 30] and summary["host_window"]["thread_cpu_ms"] > 0
     steps = [r["step"] for r in read_metrics(resumed) if "train/ne" in r]
     assert steps[0] == 30  # the step counter continued from 20 (logging every 10)
     assert "resumed" in (resumed / "rank0" / "train.log").read_text()

@@ -443,6 +443,8 @@ class Trainer:
         self.nonfinite.install(self.pipeline)
         wall0 = time.perf_counter()
         last_end = wall0  # without train.step_sync a step's time runs from the previous step's end
+        # The timed window: steps after first_timed (train.timing_start, or past a few warm-up steps).
+        first_timed = cfg.timing_start or self.start_step + min(5, (cfg.steps - self.start_step) // 4)
         window_clock: Dict[str, float] = {}  # Unix times of the timed window's synchronized ends
         window_host: Dict[str, Dict[str, float]] = {}  # the host's counters at the same ends
         while step < cfg.steps:
@@ -462,11 +464,11 @@ class Trainer:
             elif uses_cuda_graphs(self.compile_mode):
                 end_compiled_step()  # Loka.step_end does it when LoKA is on
             self._show_plan_if_new(bar)
-            if cuda and (cfg.step_sync or step in (cfg.timing_start, cfg.steps)):
+            if cuda and (cfg.step_sync or step in (first_timed, cfg.steps)):
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
-            if step in (cfg.timing_start, cfg.steps):
-                window_clock["start" if step == cfg.timing_start else "end"] = time.time()
-                window_host["start" if step == cfg.timing_start else "end"] = host_counters(batches, self.ctx.device)
+            if step in (first_timed, cfg.steps):
+                window_clock["start" if step == first_timed else "end"] = time.time()
+                window_host["start" if step == first_timed else "end"] = host_counters(batches, self.ctx.device)
             last_end = time.perf_counter()
             seconds = last_end - t0
             profiled = profiler is not None and profiler.after_step(step)
@@ -509,10 +511,7 @@ class Trainer:
         if self.probe is not None:
             self.probe.close()
         steps_run = step - self.start_step
-        if cfg.timing_start:
-            window = [i for i, n in enumerate(timed_steps) if n > cfg.timing_start]
-        else:  # skip warm-up steps
-            window = list(range(min(5, len(step_times) // 4), len(step_times)))
+        window = [i for i, n in enumerate(timed_steps) if n > first_timed]
         timed = [step_times[i] for i in window]
         stats = step_time_stats(timed)
         global_batch = self.batch_size * self.ctx.world_size
@@ -526,10 +525,10 @@ class Trainer:
             **stats,
             "timed_steps": len(timed),
             "timed_window": [timed_steps[window[0]], timed_steps[window[-1]]] if window else None,
-            # Unix times bounding the window (train.timing_start > 0), to match with device samples
+            # Unix times bounding the window, to match with device samples
             "timed_window_unix": [window_clock["start"], window_clock["end"]] if len(window_clock) == 2 else None,
-            # per step of that window: waiting for batches, GC collections, CUDA allocator calls
-            "host_window": per_step(window_host["start"], window_host["end"], steps=cfg.steps - cfg.timing_start)
+            # per step of that window: waiting for batches, CPU time, GC collections, CUDA allocator calls
+            "host_window": per_step(window_host["start"], window_host["end"], steps=cfg.steps - first_timed)
             if len(window_host) == 2 else None,
             "qps": 1e3 * global_batch / stats["median_step_ms"] if timed else float("nan"),
             "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
