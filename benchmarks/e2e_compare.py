@@ -222,7 +222,7 @@ REPEAT_SEPARATOR = "@"  # ``<run>@<k>``: the k-th run of one configuration in a 
 
 def probes(spec: RunSpec) -> bool:
     """Whether the run learns with the Probe (and plans at the end of its warm-up)."""
-    return spec.name.startswith("loka") or "loka.probe.enabled=true" in spec.overrides
+    return "loka.probe.enabled=true" in spec.overrides
 
 
 def run_spec(name: str) -> RunSpec:

@@ -270,9 +270,7 @@ class ProbeCallback:
     def is_probe_step(self, step: int) -> bool:
         """Whether ``step`` collects statistics (warm-up cadence, then the monitoring schedule,
         whose steps are skipped while monitoring is paused)."""
-        if step >= self.config.warmup_steps and self.monitoring_paused:
-            return False
-        return self.cadence.is_probe_step(step)
+        return self.cadence.is_probe_step(step) and not self._skips(step)
 
     def resume_at(self, step: int) -> None:
         """The next step the loop runs is ``step`` (the start, or a resume after
@@ -371,12 +369,16 @@ class ProbeCallback:
             return set(self._layers)
         return set(self.consumer.guarded_layers()) & set(self._layers)
 
+    def _skips(self, step: int) -> bool:
+        """Whether the schedule's probe step ``step`` is a monitoring step skipped for want of a guarded layer."""
+        return step >= self.config.warmup_steps and self.monitoring_paused
+
     def _arm_for(self, step: int) -> None:
         """Arm the hooks when ``step`` is a probe step, unless it is a monitoring step with no layer to guard
         (then the schedule moves one interval on; every rank decides alike, from the same plan)."""
         if not self.cadence.is_probe_step(step):
             return
-        if step >= self.config.warmup_steps and self.monitoring_paused:
+        if self._skips(step):
             if self.skipped_monitoring_steps == 0 and self.rank == 0:
                 logger.info("Probe: no layer runs an FP8 GEMM: monitoring steps are skipped until one does (from step %d)", step)
             self.skipped_monitoring_steps += 1
