@@ -40,6 +40,7 @@ except ImportError:  # no TorchRec: nothing to wait for
 
 __all__ = [
     "COMPILE_MODES",
+    "STATIC_SHAPES_RECOMPILE_LIMIT",
     "compile_dense",
     "cuda_graph_stats",
     "dense_modules",
@@ -108,7 +109,13 @@ def compile_dense(
         modules: submodule names (``model.get_submodule``); empty: :func:`dense_modules`.
         fullgraph: refuse graph breaks (LoKA's layers have none).
         dynamic: ``torch.compile``'s ``dynamic``; ``None`` compiles static shapes first and marks
-            a dim dynamic once it changes (one recompile, then none for jagged row counts).
+            a dim dynamic once it changes (one recompile, then none for jagged row counts),
+            unless the model says that its dense inputs come in a few fixed shapes (a true
+            ``compile_static_shapes`` attribute, as a model that pads jagged tokens to buckets
+            sets): then ``False``, each shape compiled once, statically, so that
+            ``reduce-overhead`` records CUDA graphs for it, and Dynamo's per-module recompile
+            limit raised to :data:`STATIC_SHAPES_RECOMPILE_LIMIT` to hold a graph per shape for
+            training and for evaluation.
 
     Raises:
         ValueError: an unknown mode or submodule name.
@@ -116,6 +123,9 @@ def compile_dense(
     if mode not in COMPILE_MODES[2:]:
         raise ValueError(f"compile_dense: mode must be one of {', '.join(COMPILE_MODES[2:])}, got {mode!r}")
     names = list(modules) or dense_modules(model)
+    if dynamic is None and getattr(model, "compile_static_shapes", False):
+        dynamic = False
+        _raise_recompile_limit(STATIC_SHAPES_RECOMPILE_LIMIT)
     for name in names:
         try:
             module = model.get_submodule(name)
@@ -126,8 +136,24 @@ def compile_dense(
         # awaitables resolved first (a sharded module hands its output on as a LazyAwaitable whose
         # wait() is a collective, which must not be traced).
         module._compiled_call_impl = functools.partial(_call_resolved, compiled, module)
-    logger.info("compiled (torch.compile mode=%s): %s", mode, ", ".join(names) or "nothing")
+    logger.info(
+        "compiled (torch.compile mode=%s%s): %s", mode, ", static shapes" if dynamic is False else "", ", ".join(names) or "nothing"
+    )
     return names
+
+
+STATIC_SHAPES_RECOMPILE_LIMIT = 32
+"""Graphs Dynamo keeps per compiled module when shapes are static: a few token buckets, each for
+training and evaluation, and once more after a new plan (the default limit, 8, would send the
+module back to eager mode after that)."""
+
+
+def _raise_recompile_limit(limit: int) -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < limit:
+        logger.info("torch._dynamo.config.%s raised to %d (static shapes compile once per shape)", name, limit)
+        setattr(config, name, limit)
 
 
 def _mode_or_options(mode: str) -> dict:

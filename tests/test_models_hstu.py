@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from loka_job.models.hstu import HstuConfig, JaggedLayout, StuLayer, build_hstu, causal_silu_attention
+from loka_job.models.hstu import HstuConfig, JaggedLayout, StuLayer, build_hstu, causal_silu_attention, padded_token_count
 from loka_torchrec.mods import BlockNorm, ModsConfig, PaddedLinear, SiblingLinears, apply_mods
 from loka_job.training.data_spec import DataSpec, TableSpec
 
@@ -134,6 +134,49 @@ def test_mods_all_and_the_function_preserving_mods():
     assert PaddedLinear in kinds  # the head's 1-wide prediction layer
 
 
+def test_a_bucketed_layout_puts_each_padding_row_in_its_own_unused_slot():
+    lengths = torch.tensor([4, 1, 0, 6, 2])  # T = 13 in a 5 x 6 grid
+    layout = JaggedLayout(lengths, max_len=MAX_LEN, bucket=8)
+    plain = JaggedLayout(lengths, max_len=MAX_LEN)
+    assert (layout.num_tokens, layout.num_real_tokens, plain.num_tokens) == (16, 13, 13)
+    assert torch.equal(layout.flat_index[:13], plain.flat_index) and torch.equal(layout.recency[:13], plain.recency)
+    padding = layout.flat_index[13:]
+    assert padding.unique().numel() == 3 and not layout.valid.flatten()[padding].any()
+    assert torch.equal(layout.batch_index[13:] * MAX_LEN + layout.position[13:], padding)
+    assert torch.all(layout.recency[13:] == 0)
+    # Never more rows than the grid has slots, and no padding when T is a multiple already.
+    assert JaggedLayout(lengths, max_len=MAX_LEN, bucket=64).num_tokens == 5 * MAX_LEN
+    assert JaggedLayout(torch.tensor([4, 4]), max_len=MAX_LEN, bucket=8).num_tokens == 8
+    assert [padded_token_count(t, 2048, 65536) for t in (1, 2048, 2049, 65000)] == [2048, 2048, 4096, 65536]
+    assert padded_token_count(37, 0, 65536) == 37
+
+
+def test_padding_tokens_to_a_bucket_changes_no_logit_and_no_gradient():
+    """The bucketed model computes what the unbucketed one does, in float64, gradients included
+    (the padding rows get exactly zero gradient, so they add nothing to any weight's)."""
+    plain = _model().double()
+    bucketed = build_hstu(dataclasses_replace(HstuConfig.small(), token_bucket=8), _spec(), CPU, embedding_device=CPU).double()
+    bucketed.load_state_dict(plain.state_dict())
+    assert bucketed.compile_static_shapes and not plain.compile_static_shapes
+    dense = torch.randn(4, 3, dtype=torch.float64)
+    kjt = _kjt([[1, 2, 3], [4], [], [5, 6, 7, 8, 9, 10]], [7, 8, 9, 1])  # T = 10 -> 16 rows
+    for model in (plain, bucketed):
+        model.zero_grad()
+        logits = model(dense, kjt)
+        (logits * torch.arange(1.0, 5.0, dtype=torch.float64)).sum().backward()
+        model.logits = logits.detach()
+    torch.testing.assert_close(bucketed.logits, plain.logits, rtol=1e-12, atol=1e-12)
+    grads = dict(plain.named_parameters())
+    for name, p in bucketed.named_parameters():
+        if p.grad is None:
+            assert grads[name].grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-10, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="token_bucket must be an int >= 0"):
+        HstuConfig(token_bucket=-1)
+    assert HstuConfig.from_options({"preset": "large", "token_bucket": 2048}).token_bucket == 2048
+
+
 def test_bad_inputs_raise_clear_errors():
     model = _model()
     with pytest.raises(ValueError, match="at most 6 ids"):
@@ -191,3 +234,32 @@ def test_xl_preset_gemm_shapes_and_a_tiny_batch_at_full_length():
     assert HstuConfig.from_options({"preset": "xl"}) == xl
     with pytest.raises(ValueError, match="model.preset must be one of"):
         HstuConfig.from_options({"preset": "huge"})
+
+
+def test_with_a_token_bucket_the_dense_part_compiles_once_per_bucket_with_static_shapes():
+    """``compile_dense`` reads the model's ``compile_static_shapes``: three buckets of tokens give
+    three static graphs of each module that sees the tokens (automatic dynamic shapes would stop at two, one of them
+    dynamic, which CUDA graphs skip), and batches of buckets seen before compile nothing."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from loka_torchrec.compile import STATIC_SHAPES_RECOMPILE_LIMIT, compile_dense
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        config = dataclasses_replace(HstuConfig.small(), num_layers=1, token_bucket=4)
+        model = build_hstu(config, _spec(), CPU, embedding_device=CPU)
+        names = compile_dense(model, "default")
+        assert names == ["over_arch.layers.0", "over_arch.final_norm", "over_arch.dense_arch", "over_arch.head"]
+        assert torch._dynamo.config.recompile_limit >= STATIC_SHAPES_RECOMPILE_LIMIT
+        histories = {3: [[1, 2], [3]], 5: [[1, 2, 3], [4, 5]], 9: [[1, 2, 3, 4, 5, 6], [7, 8, 9]], 4: [[1], [2, 3, 4]]}
+        with torch.no_grad():  # Dynamo's graphs are the same with a backward; Inductor's work is a third
+            for total in (3, 5, 9, 4, 5, 9):  # buckets 4, 8, 12, then each again
+                assert torch.isfinite(model(torch.randn(2, 3), _kjt(histories[total], [7, 8]))).all()
+        # The layer and the final norm see the tokens (3 buckets each); dense_arch and head the batch.
+        assert counters["stats"]["unique_graphs"] == 3 + 3 + 1 + 1, dict(counters["stats"])
+        assert counters["graph_break"] == {}
+    finally:
+        torch._dynamo.reset()
+        counters.clear()

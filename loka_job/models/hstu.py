@@ -46,7 +46,7 @@ from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
 from loka_job.training.data_spec import DataSpec, TableSpec
 
-__all__ = ["HstuConfig", "JaggedLayout", "causal_silu_attention", "StuLayer", "HstuOverArch", "Hstu", "build_hstu"]
+__all__ = ["HstuConfig", "JaggedLayout", "padded_token_count", "causal_silu_attention", "StuLayer", "HstuOverArch", "Hstu", "build_hstu"]
 
 
 def _positive_int(value: Any, field: str) -> None:
@@ -66,6 +66,12 @@ class HstuConfig:
         linear_dim: ``h``, per-head width of ``u`` and ``v``.
         head_hidden: hidden widths of the prediction MLP.
         candidate_feature: the sequence feature that holds the candidate item (length 1).
+        token_bucket: pad each batch's ``T`` history tokens up to a multiple of this (capped at
+            ``B * L``), 0 for no padding. The dense layers then see a few fixed row counts
+            instead of a new one every batch, so ``torch.compile`` compiles each statically and
+            records CUDA graphs for them (a graph with a dynamic row count runs without one, and
+            its step is bound by kernel launches on the host). Padding tokens sit in unused slots
+            of the padded attention grid: they change no output and no gradient.
 
     Example::
 
@@ -81,10 +87,13 @@ class HstuConfig:
     linear_dim: int = 16
     head_hidden: Tuple[int, ...] = (64,)
     candidate_feature: str = "cand_item"
+    token_bucket: int = 0
 
     def __post_init__(self) -> None:
         for field in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim"):
             _positive_int(getattr(self, field), field)
+        if isinstance(self.token_bucket, bool) or not isinstance(self.token_bucket, int) or self.token_bucket < 0:
+            raise ValueError(f"HstuConfig.token_bucket must be an int >= 0 (0: no padding), got {self.token_bucket!r}")
         if isinstance(self.head_hidden, (str, bytes)) or not isinstance(self.head_hidden, Sequence):
             raise TypeError(f"HstuConfig.head_hidden must be a sequence of ints, got {type(self.head_hidden).__name__}")
         object.__setattr__(self, "head_hidden", tuple(self.head_hidden))
@@ -100,18 +109,21 @@ class HstuConfig:
 
     @classmethod
     def large(cls) -> "HstuConfig":
-        """GPU-sized: D = 512, 4 heads of 128; the ``uvqk`` GEMM is 512 -> 2048, the output 512 -> 512."""
+        """GPU-sized: D = 512, 4 heads of 128; the ``uvqk`` GEMM is 512 -> 2048, the output 512 -> 512;
+        tokens padded to multiples of 2048."""
         return cls(
-            embedding_dim=512, num_layers=4, num_heads=4, attention_dim=128, linear_dim=128, head_hidden=(1024, 256)
+            embedding_dim=512, num_layers=4, num_heads=4, attention_dim=128, linear_dim=128, head_hidden=(1024, 256),
+            token_bucket=2048,
         )
 
     @classmethod
     def xl(cls) -> "HstuConfig":
         """GPU-sized, wide and long: D = 1024, 8 heads of 128; the ``uvqk`` GEMM is 1024 -> 4096, the
         output 1024 -> 1024, with M = the batch's history tokens (``recipes/model/hstu_xl.yaml``:
-        histories of 256..512 items, about 98k tokens per GPU)."""
+        histories of 256..512 items, about 98k tokens per GPU), padded to multiples of 4096."""
         return cls(
-            embedding_dim=1024, num_layers=4, num_heads=8, attention_dim=128, linear_dim=128, head_hidden=(2048, 512)
+            embedding_dim=1024, num_layers=4, num_heads=8, attention_dim=128, linear_dim=128, head_hidden=(2048, 512),
+            token_bucket=4096,
         )
 
     @classmethod
@@ -143,6 +155,10 @@ class JaggedLayout:
         lengths: ``(B,)`` int64 sequence lengths, each in ``[0, max_len]``.
         max_len: ``L``.
         num_tokens: ``T = sum(lengths)`` if known (saves a host sync).
+        bucket: lay out ``T`` rounded up to a multiple of ``bucket`` (at most ``B * L``) rows, 0
+            for exactly ``T``. Each padding row gets a distinct unused slot of the grid (a
+            position past the end of some sequence), which the attention masks like any other
+            padding; its recency is 0. Rows ``T..`` of the model's tokens are the padding.
 
     Example::
 
@@ -154,9 +170,12 @@ class JaggedLayout:
                 [3., 0., 0.]])
         >>> layout.recency.tolist()  # position counted from the end of its sequence
         [1, 0, 0]
+        >>> padded = JaggedLayout(torch.tensor([2, 0, 1]), max_len=3, bucket=4)
+        >>> padded.num_tokens, padded.num_real_tokens
+        (4, 3)
     """
 
-    def __init__(self, lengths: torch.Tensor, max_len: int, num_tokens: Optional[int] = None) -> None:
+    def __init__(self, lengths: torch.Tensor, max_len: int, num_tokens: Optional[int] = None, bucket: int = 0) -> None:
         self.lengths = lengths
         self.max_len = int(max_len)
         self.batch_size = int(lengths.shape[0])
@@ -164,20 +183,32 @@ class JaggedLayout:
         offsets[1:] = torch.cumsum(lengths, dim=0)
         self.offsets = offsets
         total = int(offsets[-1]) if num_tokens is None else int(num_tokens)
+        self.num_real_tokens = total
         self.batch_index = torch.repeat_interleave(
             torch.arange(self.batch_size, device=lengths.device), lengths, output_size=total
         )
         self.position = torch.arange(total, device=lengths.device) - offsets[self.batch_index]
         self.flat_index = self.batch_index * self.max_len + self.position
-        self.recency = lengths[self.batch_index] - 1 - self.position
         self.valid = torch.arange(self.max_len, device=lengths.device)[None, :] < lengths[:, None]  # (B, L)
+        padding = padded_token_count(total, bucket, self.batch_size * self.max_len) - total
+        if padding:
+            # The first `padding` unused slots of the grid, in order (a stable sort puts the
+            # invalid slots, 0, first) - on the device, no host sync.
+            unused = torch.argsort(self.valid.flatten().to(torch.int8), stable=True)[:padding]
+            self.flat_index = torch.cat([self.flat_index, unused])
+            self.batch_index = torch.cat([self.batch_index, unused // self.max_len])
+            self.position = torch.cat([self.position, unused % self.max_len])
+        # Padding rows sit past their row's length: their recency would be negative; 0 instead.
+        self.recency = (lengths[self.batch_index] - 1 - self.position).clamp_min(0)
 
     @property
     def num_tokens(self) -> int:
+        """Rows of the layout: the real tokens and, with a bucket, the padding rows after them."""
         return int(self.batch_index.shape[0])
 
     def to_padded(self, values: torch.Tensor) -> torch.Tensor:
-        """``(T, F)`` jagged -> ``(B, L, F)`` with zeros in the padding."""
+        """``(T, F)`` jagged -> ``(B, L, F)``; zeros in the padding, except the slots that padding
+        rows (with a bucket) were written to."""
         padded = values.new_zeros(self.batch_size * self.max_len, values.shape[-1])
         return padded.index_copy(0, self.flat_index, values).view(self.batch_size, self.max_len, -1)
 
@@ -190,6 +221,19 @@ class JaggedLayout:
         padded = self.to_padded(values)
         last = padded[torch.arange(self.batch_size, device=values.device), (self.lengths - 1).clamp_min(0)]
         return torch.where((self.lengths > 0)[:, None], last, torch.zeros_like(last))
+
+
+def padded_token_count(num_tokens: int, bucket: int, capacity: int) -> int:
+    """``num_tokens`` rounded up to a multiple of ``bucket`` (0: not rounded), at most ``capacity``.
+
+    Example::
+
+        >>> padded_token_count(37000, 2048, 65536), padded_token_count(37000, 0, 65536), padded_token_count(65000, 2048, 65536)
+        (38912, 37000, 65536)
+    """
+    if not bucket:
+        return num_tokens
+    return max(num_tokens, min(-(-num_tokens // bucket) * bucket, capacity))
 
 
 def causal_silu_attention(
@@ -310,6 +354,7 @@ class HstuOverArch(nn.Module):
         self.history_features: Tuple[str, ...] = tuple(history_features)
         self.candidate_feature = candidate_feature
         self.num_dense, self.max_len = num_dense, max_len
+        self.token_bucket = config.token_bucket
         self.recency = nn.Embedding(max_len, d, device=device)
         nn.init.normal_(self.recency.weight, std=0.02)
         self.layers = nn.ModuleList(
@@ -361,7 +406,8 @@ class HstuOverArch(nn.Module):
                 f"{self.max_len} ids and every {self.candidate_feature!r} exactly one id; got history "
                 f"lengths up to {int(lengths.max())} and candidate lengths {sorted(set(candidate.lengths().tolist()))}"
             )
-        layout = JaggedLayout(lengths, self.max_len, num_tokens=tokens.shape[0])
+        layout = JaggedLayout(lengths, self.max_len, num_tokens=tokens.shape[0], bucket=self.token_bucket)
+        tokens = nn.functional.pad(tokens, (0, 0, 0, layout.num_tokens - layout.num_real_tokens))
         x = tokens + self.recency(layout.recency)
         for layer in self.layers:
             x = layer(x, layout)
@@ -398,6 +444,9 @@ class Hstu(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        # Read by loka_torchrec.compile.compile_dense: with its tokens padded to buckets the dense
+        # part sees a few fixed shapes, each compiled statically (and so with CUDA graphs).
+        self.compile_static_shapes = config.token_bucket > 0
         self.embedding_collection = embedding_collection
         self.over_arch = HstuOverArch(history_features, config.candidate_feature, num_dense, max_len, config, device)
 
