@@ -120,10 +120,11 @@ class HstuConfig:
     def xl(cls) -> "HstuConfig":
         """GPU-sized, wide and long: D = 1024, 8 heads of 128; the ``uvqk`` GEMM is 1024 -> 4096, the
         output 1024 -> 1024, with M = the batch's history tokens (``recipes/model/hstu_xl.yaml``:
-        histories of 256..512 items, about 98k tokens per GPU), padded to multiples of 4096."""
+        histories of 256..512 items, about 98k tokens per GPU). Its tokens are not padded: its step
+        is bound by the GPU, not by kernel launches, so the padding rows cost more than CUDA graphs
+        save."""
         return cls(
-            embedding_dim=1024, num_layers=4, num_heads=8, attention_dim=128, linear_dim=128, head_hidden=(2048, 512),
-            token_bucket=4096,
+            embedding_dim=1024, num_layers=4, num_heads=8, attention_dim=128, linear_dim=128, head_hidden=(2048, 512)
         )
 
     @classmethod
