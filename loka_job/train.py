@@ -107,7 +107,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     compiled = s.get("compile") or {}
     if compiled.get("mode", "none") != "none":
         lines.append(
-            f"torch.compile    mode {compiled['mode']}: {', '.join(compiled['modules'])}; {compiled['graphs']} graph(s), "
+            f"torch.compile    mode {compiled['mode']}{', static shapes' if compiled.get('shapes') == 'static' else ''}: "
+            f"{', '.join(compiled['modules'])}; {compiled['graphs']} graph(s), "
             f"{compiled['graph_breaks']} graph break(s)"
         )
     graphs = compiled.get("cuda_graphs")

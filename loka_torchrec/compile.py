@@ -158,7 +158,7 @@ def _raise_recompile_limit(limit: int) -> None:
 
 def _mode_or_options(mode: str) -> dict:
     """``torch.compile``'s ``mode``, except that ``reduce-overhead`` records CUDA graphs only for
-    graphs of static shapes: a graph with a dynamic dim (HSTU's jagged token count) would be
+    graphs of static shapes: a graph with a dynamic dim (an unpadded jagged token count) would be
     re-recorded for every new size, so Inductor runs it without one (its
     ``cudagraph_skip_dynamic_graphs``, which then looks at the graph's input shapes). Inductor's
     graph partitions stay off: with them that setting is applied per operation, by whether the

@@ -158,6 +158,8 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
     extra.append(f"train.compile={'default' if compiled else 'none'}")
     if compiled:  # one interaction/attention layer: half the graph for CPU inductor to build; the layer stack is the uncompiled cases'
         extra.append("model.num_layers=1")
+    if compiled and model == "hstu":  # tokens padded to buckets of 512 (~1350 tokens a batch): static shapes
+        extra.append("model.token_bucket=512")
     proc = launch(run_dir, *extra, base=FAST_RECIPE)
     assert "loka-torchrec run summary" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -166,10 +168,12 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
         assert info["mode"] == "default" and info["graph_breaks"] == 0, info
         names = info["modules"]
         assert names == ["over_arch"] if model == "dhen" else "over_arch.layers.0" in names and "over_arch.head" in names
-        # Static shapes (DHEN): one graph per module for training, one for eval. Jagged tokens (HSTU):
-        # one more per module when a dim turns dynamic, then no recompiles over the 30 steps.
+        # Static shapes (DHEN): one graph per module for training, one for eval. HSTU's tokens padded
+        # to buckets: one graph per bucket seen (a batch here has 1150-1540 tokens: one bucket).
         assert 0 < info["graphs"] <= 3 * len(names), info
         assert "torch.compile    mode default" in proc.stdout
+        if model == "hstu":  # a graph per bucket, and no dim made dynamic
+            assert info["shapes"] == "static" and "torch.compile    mode default, static shapes:" in proc.stdout
     else:
         assert summary["compile"]["mode"] == "none" and summary["compile"]["modules"] == []
     assert summary["steps"] == 30 and summary["world_size"] == 2

@@ -337,6 +337,8 @@ class Trainer:
         # 1c. Without LoKA, torch.compile of the dense modules here (in place: names and
         #     state_dict keys unchanged).
         self.compiled_modules: List[str] = [] if self.loka is None else self.loka.compiled_modules
+        # compile_dense compiles static shapes for a model that asks for them (HSTU with token buckets).
+        self.compile_static_shapes = bool(getattr(model, "compile_static_shapes", False))
         if self.compile_mode is not None and self.loka is None:
             # Transformer Engine's modules do not trace whole: let Dynamo break the graph around them.
             fullgraph = baseline_config.kind != "te"
@@ -721,6 +723,7 @@ class Trainer:
         return {
             "mode": self.compile_mode or "none",
             "modules": list(self.compiled_modules),
+            "shapes": "static" if self.compile_static_shapes else "dynamic once a dim changes",
             "graphs": int(counters["stats"].get("unique_graphs", 0)),
             "graph_breaks": sum(breaks.values()),
             "dense_optimizer": dense_optimizer_kind(self.dense_optimizer),
