@@ -238,8 +238,9 @@ def test_xl_preset_gemm_shapes_and_a_tiny_batch_at_full_length():
 
 def test_with_a_token_bucket_the_dense_part_compiles_once_per_bucket_with_static_shapes():
     """``compile_dense`` reads the model's ``compile_static_shapes``: three buckets of tokens give
-    three static graphs of each module that sees the tokens (automatic dynamic shapes would stop at two, one of them
-    dynamic, which CUDA graphs skip), and batches of buckets seen before compile nothing."""
+    three static graphs of each module that sees the tokens (automatic dynamic shapes would stop at
+    two, one of them dynamic, which CUDA graphs skip), and batches of buckets seen before compile
+    nothing."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -247,19 +248,21 @@ def test_with_a_token_bucket_the_dense_part_compiles_once_per_bucket_with_static
 
     torch._dynamo.reset()
     counters.clear()
-    try:
-        config = dataclasses_replace(HstuConfig.small(), num_layers=1, token_bucket=4)
-        model = build_hstu(config, _spec(), CPU, embedding_device=CPU)
-        names = compile_dense(model, "default")
-        assert names == ["over_arch.layers.0", "over_arch.final_norm", "over_arch.dense_arch", "over_arch.head"]
-        assert torch._dynamo.config.recompile_limit >= STATIC_SHAPES_RECOMPILE_LIMIT
-        histories = {3: [[1, 2], [3]], 5: [[1, 2, 3], [4, 5]], 9: [[1, 2, 3, 4, 5, 6], [7, 8, 9]], 4: [[1], [2, 3, 4]]}
-        with torch.no_grad():  # Dynamo's graphs are the same with a backward; Inductor's work is a third
-            for total in (3, 5, 9, 4, 5, 9):  # buckets 4, 8, 12, then each again
-                assert torch.isfinite(model(torch.randn(2, 3), _kjt(histories[total], [7, 8]))).all()
-        # The layer and the final norm see the tokens (3 buckets each); dense_arch and head the batch.
-        assert counters["stats"]["unique_graphs"] == 3 + 3 + 1 + 1, dict(counters["stats"])
-        assert counters["graph_break"] == {}
-    finally:
-        torch._dynamo.reset()
-        counters.clear()
+    # Dynamo's default limit, restored afterwards: compile_dense raises it for static shapes.
+    with torch._dynamo.config.patch(recompile_limit=8):
+        try:
+            config = dataclasses_replace(HstuConfig.small(), num_layers=1, token_bucket=4)
+            model = build_hstu(config, _spec(), CPU, embedding_device=CPU)
+            names = compile_dense(model, "default")
+            assert names == ["over_arch.layers.0", "over_arch.final_norm", "over_arch.dense_arch", "over_arch.head"]
+            assert torch._dynamo.config.recompile_limit >= STATIC_SHAPES_RECOMPILE_LIMIT
+            histories = {3: [[1, 2], [3]], 5: [[1, 2, 3], [4, 5]], 9: [[1, 2, 3, 4, 5, 6], [7, 8, 9]], 4: [[1], [2, 3, 4]]}
+            with torch.no_grad():  # Dynamo's graphs are the same with a backward; Inductor's work is a third
+                for total in (3, 5, 9, 4, 5, 9):  # buckets 4, 8, 12, then each again
+                    assert torch.isfinite(model(torch.randn(2, 3), _kjt(histories[total], [7, 8]))).all()
+            # The layer and the final norm see the tokens (3 buckets each); dense_arch and head the batch.
+            assert counters["stats"]["unique_graphs"] == 3 + 3 + 1 + 1, dict(counters["stats"])
+            assert counters["graph_break"] == {}
+        finally:
+            torch._dynamo.reset()
+            counters.clear()
