@@ -49,6 +49,7 @@ __all__ = [
     "resolve_awaitables",
     "resolve_compile_mode",
     "uses_cuda_graphs",
+    "wants_static_shapes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def compile_dense(
     if mode not in COMPILE_MODES[2:]:
         raise ValueError(f"compile_dense: mode must be one of {', '.join(COMPILE_MODES[2:])}, got {mode!r}")
     names = list(modules) or dense_modules(model)
-    if dynamic is None and getattr(model, "compile_static_shapes", False):
+    if dynamic is None and wants_static_shapes(model):
         dynamic = False
         _raise_recompile_limit(STATIC_SHAPES_RECOMPILE_LIMIT)
     for name in names:
@@ -140,6 +141,13 @@ def compile_dense(
         "compiled (torch.compile mode=%s%s): %s", mode, ", static shapes" if dynamic is False else "", ", ".join(names) or "nothing"
     )
     return names
+
+
+def wants_static_shapes(model: nn.Module) -> bool:
+    """Whether ``model`` says its dense inputs come in a few fixed shapes (a true
+    ``compile_static_shapes`` attribute, as HSTU sets when it pads its tokens to buckets), so that
+    :func:`compile_dense` compiles each shape statically."""
+    return bool(getattr(model, "compile_static_shapes", False))
 
 
 STATIC_SHAPES_RECOMPILE_LIMIT = 32

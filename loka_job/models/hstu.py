@@ -408,7 +408,8 @@ class HstuOverArch(nn.Module):
                 f"lengths up to {int(lengths.max())} and candidate lengths {sorted(set(candidate.lengths().tolist()))}"
             )
         layout = JaggedLayout(lengths, self.max_len, num_tokens=tokens.shape[0], bucket=self.token_bucket)
-        tokens = nn.functional.pad(tokens, (0, 0, 0, layout.num_tokens - layout.num_real_tokens))
+        if layout.num_tokens > layout.num_real_tokens:  # zero rows for the bucket's padding
+            tokens = nn.functional.pad(tokens, (0, 0, 0, layout.num_tokens - layout.num_real_tokens))
         x = tokens + self.recency(layout.recency)
         for layer in self.layers:
             x = layer(x, layout)

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from loka_job.baselines import BaselineConfig
-from loka_torchrec.compile import compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
+from loka_torchrec.compile import (
+    compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs, wants_static_shapes,
+)
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
@@ -337,8 +339,7 @@ class Trainer:
         # 1c. Without LoKA, torch.compile of the dense modules here (in place: names and
         #     state_dict keys unchanged).
         self.compiled_modules: List[str] = [] if self.loka is None else self.loka.compiled_modules
-        # compile_dense compiles static shapes for a model that asks for them (HSTU with token buckets).
-        self.compile_static_shapes = bool(getattr(model, "compile_static_shapes", False))
+        self.compile_static_shapes = wants_static_shapes(model)  # as compile_dense decides it
         if self.compile_mode is not None and self.loka is None:
             # Transformer Engine's modules do not trace whole: let Dynamo break the graph around them.
             fullgraph = baseline_config.kind != "te"
