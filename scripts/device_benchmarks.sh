@@ -17,7 +17,8 @@
 #                                     run folder and output in one tarball
 #
 # Settings (environment): E2E_STEPS (default 300), E2E_PROBE_WARMUP (default 100), E2E_OVERRIDES
-# (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"),
+# (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"), DENSE_ARGS
+# (more arguments of dense_part_step.py, e.g. "--top-kernels 400"),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,7 +63,7 @@ case $stage in
   dense)
     name=${2:?dense NAME PRESET PLAN [RUNS]}; preset=${3:?}; plan=${4:?}; runs=${5:-}
     timeout $(( $(left) - 10 )) python3 -P benchmarks/dense_part_step.py --preset "$preset" --plan "$plan" \
-      ${runs:+--runs "$runs"} --out "$OUT/$name" > "$WORK/$name.log" 2>&1
+      ${runs:+--runs "$runs"} ${DENSE_ARGS:-} --out "$OUT/$name" > "$WORK/$name.log" 2>&1
     echo "=== dense $name: rc=$?"
     grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
     cp "$WORK/$name.log" "$OUT/$name.log"

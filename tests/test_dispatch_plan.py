@@ -24,6 +24,7 @@ from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, GemmShape,
 FWD, DGRAD, WGRAD = GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT
 ROWWISE = KernelChoice("scaled_mm", "rowwise")
 TENSORWISE = KernelChoice("scaled_mm", "tensorwise")
+TENSORWISE_FAST = KernelChoice("scaled_mm", "tensorwise_fast_accum")
 BLOCKWISE = KernelChoice("emulated", "blockwise")
 GATES = dict(max_mere=0.2, min_speedup=1.05)
 
@@ -182,6 +183,29 @@ def test_decide_role_ties_go_to_the_more_accurate_candidate():
     assert decide_role([b, a], source="s", **GATES).choice == TENSORWISE
 
 
+@pytest.mark.parametrize("fast_time, fast_error, expected", [
+    ((1.02, 0.98, 1.06), (0.05, 0.04, 0.06), "scaled_mm:tensorwise_fast_accum"),  # slower by the point, inside the spread
+    ((0.98, 0.95, 1.0), (0.05, 0.04, 0.06), "scaled_mm:tensorwise_fast_accum"),  # faster anyway
+    ((1.2, 1.11, 1.3), (0.05, 0.04, 0.06), "scaled_mm:tensorwise"),  # clearly slower: low 1.11 > high 1.1
+    ((1.02, 0.98, 1.06), (0.3, 0.25, 0.35), "scaled_mm:tensorwise"),  # inaccurate: never chosen
+])  # fmt: skip
+def test_decide_role_takes_fast_accumulation_unless_the_promoted_twin_is_clearly_faster(fast_time, fast_error, expected):
+    promoted = evidence(TENSORWISE, time=(1.0, 0.9, 1.1))
+    fast = evidence(TENSORWISE_FAST, time=fast_time, error=fast_error)
+    for pool in ([promoted, fast], [fast, promoted]):
+        decision = decide_role(pool, source="s", **GATES)
+        assert str(decision.choice) == expected
+        assert decision.evidence.candidate == decision.choice
+    chose_twin_over_faster_point = expected.endswith("fast_accum") and fast_time[0] > 1.0
+    assert ("not clearly faster: fast accumulation" in decision.reason) == chose_twin_over_faster_point
+
+
+def test_fast_accumulation_preference_stays_within_one_backend_and_granularity():
+    rowwise_fast = evidence(KernelChoice("scaled_mm", "rowwise_fast_accum"), time=(1.02, 0.98, 1.06))
+    other_backend = evidence(KernelChoice("fbgemm", "tensorwise_fast_accum"), time=(1.02, 0.98, 1.06))
+    assert decide_role([evidence(TENSORWISE), rowwise_fast, other_backend], source="s", **GATES).choice == TENSORWISE
+
+
 def test_decide_makes_each_role_of_each_layer_independently():
     layers = {"dense.0": (64, 32, 16), "dense.1": (64, 16, 8), "over": (64, 8, 1)}
     pool = [
@@ -215,7 +239,6 @@ def test_decide_makes_each_role_of_each_layer_independently():
         assert d0.roles[role] == decide_role(alone, source="policy/probe", **GATES)
 
 
-TENSORWISE_FAST = KernelChoice("scaled_mm", "tensorwise_fast_accum")
 FBGEMM_ROWWISE = KernelChoice("fbgemm", "rowwise")
 
 

@@ -13,6 +13,13 @@ The admissible candidate with the highest point speedup wins; with none, the GEM
 and the reason names the best rejected candidate and the gate it failed. Forward, grad-input and
 grad-weight are decided independently.
 
+**Accumulation is decided by accuracy, not by timing noise.** A recipe's ``_fast_accum`` twin runs
+the same GEMM without promoting partial sums to fp32 along ``K``: the same work, less of it. Where
+the winner accumulates with promotion and its fast twin is admissible too, the twin wins unless the
+promoted kernel is clearly faster (its whole time interval below the twin's). Per-GEMM timings of
+the two differ by a few percent either way from one planning to the next, which would otherwise
+pick the accumulation at random.
+
 **Compiled jobs share quantizations** (:func:`share_quantizations`): a layer whose three GEMMs use
 tensorwise operands of one backend quantizes each tensor once, the forward's FP8 ``x`` and ``W``
 serving grad-weight and grad-input transposed and grad-input's FP8 ``dy`` serving grad-weight
@@ -28,11 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
-from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole
-from loka_torchrec.gemm.recipes import split_fast_accum
+from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, KernelChoice
+from loka_torchrec.gemm.recipes import FAST_ACCUM_SUFFIX, split_fast_accum
 
 __all__ = ["decide", "decide_role", "share_quantizations"]
 
@@ -59,7 +66,7 @@ def decide_role(
         reason = (
             f"fastest accurate of {len(fp8)}: MERE {best.error.value:.4f} (hi {best.error.high:.4f} < {max_mere}){noise}, "
             f"{best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= {min_speedup})"
-        )
+        ) + _accumulation_note(best, admissible)
         return RoleDecision(best.candidate, reason, source, best, tuple(evidence))
     if not fp8:
         why = "; ".join(f"{e.candidate} {e.note}" for e in excluded)
@@ -91,8 +98,35 @@ def _admissible(e: CandidateEvidence, max_mere: float, min_speedup: float, max_n
 
 
 def _fastest(admissible: List[CandidateEvidence]) -> CandidateEvidence:
-    """The admissible candidate that wins: highest point speedup, ties to the lower error."""
+    """The admissible candidate that wins: highest point speedup, ties to the lower error; then
+    its fast-accumulation twin, where that is admissible and not clearly slower (module docstring)."""
+    top = _top_speed(admissible)
+    twin = _fast_twin(top, admissible)
+    if twin is None or twin.time_ms.low > top.time_ms.high:
+        return top
+    return twin
+
+
+def _top_speed(admissible: List[CandidateEvidence]) -> CandidateEvidence:
     return max(admissible, key=lambda e: (e.speedup, -e.error.value))
+
+
+def _fast_twin(e: CandidateEvidence, pool: List[CandidateEvidence]) -> Optional[CandidateEvidence]:
+    """``e``'s candidate with fast accumulation, from ``pool`` (``None``: ``e`` has it already, or
+    the pool has no such candidate)."""
+    recipe, fast = split_fast_accum(e.candidate.recipe)
+    if fast:
+        return None
+    twin = KernelChoice(e.candidate.backend, recipe + FAST_ACCUM_SUFFIX)
+    return next((c for c in pool if c.candidate == twin), None)
+
+
+def _accumulation_note(best: CandidateEvidence, admissible: List[CandidateEvidence]) -> str:
+    """What the reason adds when fast accumulation won over a faster-looking promoted twin."""
+    top = _top_speed(admissible)
+    if top is best:
+        return ""
+    return f"; over {top.candidate} ({top.speedup:.2f}x, not clearly faster: fast accumulation)"
 
 
 def _finite(e: CandidateEvidence) -> bool:
@@ -174,7 +208,7 @@ def share_quantizations(plan: DispatchPlan, *, max_mere: float, min_speedup: flo
                 f"shares the forward's tensorwise quantization (compiled): MERE {best.error.value:.4f} "
                 f"(hi {best.error.high:.4f} < {max_mere}), {best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= "
                 f"{min_speedup}); alone {own.choice} was {alone}"
-            )
+            ) + _accumulation_note(best, sharing)
             roles[role] = RoleDecision(best.candidate, reason, own.source, best, own.considered)
         layers[name] = dataclasses.replace(layer, roles=roles)
     return dataclasses.replace(plan, layers=layers)
