@@ -42,22 +42,29 @@ def kernels_in(directory: str) -> List[Dict]:
             if "@triton.jit" not in text:
                 continue
             for match in _DEF.finditer(text):
-                kernel = match.group(1)
-                body = text[match.start():]
-                end = _DEF.search(body, 1)
-                body = body[: end.start()] if end else body
-                head = text[max(0, match.start() - 3000): match.start()]
-                sig = _SIGNATURE.findall(head)
-                pointers = {}
-                if sig:
-                    try:
-                        pointers = {k: v for k, v in ast.literal_eval(sig[-1]).items() if str(v).startswith("*")}
-                    except (ValueError, SyntaxError):
-                        pointers = {}
-                numels = {k: int(v) for k, v in _NUMEL.findall(body)}
-                accesses = [line.strip()[:200] for line in body.splitlines() if "tl.load(" in line or "tl.store(" in line]
-                found.setdefault(kernel, {"kernel": kernel, "numels": numels, "pointers": pointers, "accesses": accesses})
+                found.setdefault(match.group(1), _kernel_record(text, match))
     return sorted(found.values(), key=lambda k: k["kernel"])
+
+
+def _kernel_record(text: str, match: "re.Match") -> Dict:
+    """One kernel: its name, the sizes it assigns (``xnumel = ...``), the dtypes of its pointer
+    arguments (from the decorator's signature just above it) and its load/store lines."""
+    body = text[match.start():]
+    end = _DEF.search(body, 1)
+    body = body[: end.start()] if end else body
+    signatures = _SIGNATURE.findall(text[max(0, match.start() - 3000): match.start()])
+    pointers: Dict[str, str] = {}
+    if signatures:
+        try:
+            pointers = {k: v for k, v in ast.literal_eval(signatures[-1]).items() if str(v).startswith("*")}
+        except (ValueError, SyntaxError):
+            pointers = {}
+    return {
+        "kernel": match.group(1),
+        "numels": {k: int(v) for k, v in _NUMEL.findall(body)},
+        "pointers": pointers,
+        "accesses": [line.strip()[:200] for line in body.splitlines() if "tl.load(" in line or "tl.store(" in line],
+    }
 
 
 def main(argv=None) -> int:
