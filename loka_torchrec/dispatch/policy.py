@@ -14,7 +14,7 @@ and the reason names the best rejected candidate and the gate it failed. Forward
 grad-weight are decided independently.
 
 **Accumulation is decided by accuracy, not by timing noise.** A recipe's ``_fast_accum`` twin runs
-the same GEMM without promoting partial sums to fp32 along ``K``: the same work, less of it. Where
+the same GEMM without the periodic promotion of its partial sums to fp32 along ``K``. Where
 the winner accumulates with promotion and its fast twin is admissible too, the twin wins unless the
 promoted kernel is clearly faster (its whole time interval below the twin's). Per-GEMM timings of
 the two differ by a few percent either way from one planning to the next, which would otherwise
