@@ -5,13 +5,16 @@ optimizer around it: the ``over_arch`` of the DHEN-style model at a preset's siz
 random pooled embeddings, bf16 weights, one forward and one backward per step, timed with CUDA
 events (median over ``--steps`` after ``--warmup``), every run in this one process:
 
-* ``bf16_compile``, ``bf16_compile_cudagraphs``: the model with the Mods (``ModsConfig("all")``,
-  as LoKA's runs use it) in bf16, ``torch.compile`` default / ``reduce-overhead``;
+* ``bf16_compile``, ``bf16_compile_cudagraphs``, ``bf16_compile_max_autotune``: the model with the
+  Mods (``ModsConfig("all")``, as LoKA's runs use it) in bf16, ``torch.compile`` default /
+  ``reduce-overhead`` / ``max-autotune-no-cudagraphs`` (Inductor times its own GEMM templates and
+  fused epilogues against cuBLAS at every shape);
 * ``bf16_nomods_compile_cudagraphs``: the plain model in bf16, compiled with CUDA graphs;
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's float8 training with its
   size filter on the plain model, compiled with CUDA graphs;
 * ``loka_compile``: the Mods model with a pinned LoKA plan (``--plan``, e.g. the plan a training
-  run wrote) or a static mode (``--mode``), compiled with CUDA graphs;
+  run wrote) or a static mode (``--mode``), compiled with CUDA graphs; ``loka_compile_max_autotune``:
+  the same with ``max-autotune-no-cudagraphs``;
 * ``loka_speed_gate_compile``: the same plan's per-GEMM evidence decided by the accuracy and speed
   gates alone (each role the fastest candidate within ``max_mere`` that is ``min_speedup`` faster
   than bf16), without the layer check's verdicts: what the layer check turned down, timed in the
@@ -27,7 +30,7 @@ Each run is also profiled over a few steps: the device time per step by kernel c
 GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
 
 Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, the table with ratios to the
-faster bf16 compile mode). Example (one GPU)::
+fastest bf16 compile mode that ran). Example (one GPU)::
 
     python benchmarks/dense_part_step.py --preset xl --plan PLAN.json --out results/dense-part-dhen-xl
 """
@@ -59,9 +62,12 @@ from loka_torchrec.gemm.recipes import FAST_ACCUM_SUFFIX
 from loka_torchrec.gemm.measure import call_times_ms
 from loka_torchrec.mods import ModsConfig, apply_mods
 
-RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_nomods_compile_cudagraphs", "torchao_tensorwise_compile",
-        "torchao_rowwise_compile", "loka_compile", "loka_speed_gate_compile", "loka_tensorwise_compile",
-        "loka_fast_accum_compile", "loka_fast_accum_fwd_compile")  # fmt: skip
+RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_nomods_compile_cudagraphs",
+        "torchao_tensorwise_compile", "torchao_rowwise_compile", "loka_compile", "loka_compile_max_autotune",
+        "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
+        "loka_fast_accum_fwd_compile")  # fmt: skip
+BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune")
+"""The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
 """Runs whose plan is re-decided from ``--plan``'s evidence by the gates alone, with the one
 candidate they are restricted to (``None``: the fastest that passes)."""
@@ -86,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
-    if "loka_compile" in args.runs and not (args.plan or args.mode):
-        p.error("--runs loka_compile: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
+    for run in ("loka_compile", "loka_compile_max_autotune"):
+        if run in args.runs and not (args.plan or args.mode):
+            p.error(f"--runs {run}: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
     if any(r in PLAN_VARIANTS for r in args.runs) and not args.plan:
         p.error(f"--runs {', '.join(PLAN_VARIANTS)}: need --plan (a dispatch_plan.json with its evidence)")
     return args
@@ -186,7 +193,10 @@ def make(run: str, args, device) -> nn.Module:
         dispatch = DispatchConfig(mode="pinned", plan_path=plan_path) if plan_path else DispatchConfig(mode=args.mode)
         report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
         print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
-    mode = "default" if run == "bf16_compile" else "reduce-overhead"
+    if run.endswith("_max_autotune"):
+        mode = "max-autotune-no-cudagraphs"
+    else:
+        mode = "default" if run == "bf16_compile" else "reduce-overhead"
     return torch.compile(model, mode=mode, fullgraph=not run.startswith("torchao"))
 
 
@@ -234,7 +244,7 @@ def main(argv=None) -> int:
         model = None
         torch.cuda.empty_cache()
     ok = {r: v["median_ms"] for r, v in results.items() if v["status"] == "ok"}
-    ref_name = min((r for r in ("bf16_compile", "bf16_compile_cudagraphs") if r in ok), key=ok.get, default=None)
+    ref_name = min((r for r in BF16_REFERENCES if r in ok), key=ok.get, default=None)
     meta = {
         "device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "command": "python benchmarks/dense_part_step.py " + " ".join(argv or sys.argv[1:]),
