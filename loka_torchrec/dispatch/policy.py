@@ -59,14 +59,14 @@ def decide_role(
         return RoleDecision(BF16, reason, source, None, tuple(evidence))
     admissible = [e for e in fp8 if _admissible(e, max_mere, min_speedup, max_noise_ratio)]
     if admissible:
-        best = _fastest(admissible)
+        best, accumulation = _fastest(admissible)
         noise = ""
         if best.noise_ratio is not None and max_noise_ratio > 0:
             noise = f", noise ratio {best.noise_ratio.value:.3g} (hi {best.noise_ratio.high:.3g} <= {max_noise_ratio})"
         reason = (
             f"fastest accurate of {len(fp8)}: MERE {best.error.value:.4f} (hi {best.error.high:.4f} < {max_mere}){noise}, "
             f"{best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= {min_speedup})"
-        ) + _accumulation_note(best, admissible)
+        ) + accumulation
         return RoleDecision(best.candidate, reason, source, best, tuple(evidence))
     if not fp8:
         why = "; ".join(f"{e.candidate} {e.note}" for e in excluded)
@@ -97,18 +97,15 @@ def _admissible(e: CandidateEvidence, max_mere: float, min_speedup: float, max_n
             and e.speedup_low >= min_speedup)  # fmt: skip
 
 
-def _fastest(admissible: List[CandidateEvidence]) -> CandidateEvidence:
-    """The admissible candidate that wins: highest point speedup, ties to the lower error; then
-    its fast-accumulation twin, where that is admissible and not clearly slower (module docstring)."""
-    top = _top_speed(admissible)
+def _fastest(admissible: List[CandidateEvidence]) -> Tuple[CandidateEvidence, str]:
+    """The admissible candidate that wins, and what its reason adds: the highest point speedup,
+    ties to the lower error; then its fast-accumulation twin, where that is admissible and not
+    clearly slower (module docstring), which the reason notes."""
+    top = max(admissible, key=lambda e: (e.speedup, -e.error.value))
     twin = _fast_twin(top, admissible)
     if twin is None or twin.time_ms.low > top.time_ms.high:
-        return top
-    return twin
-
-
-def _top_speed(admissible: List[CandidateEvidence]) -> CandidateEvidence:
-    return max(admissible, key=lambda e: (e.speedup, -e.error.value))
+        return top, ""
+    return twin, f"; over {top.candidate} ({top.speedup:.2f}x, not clearly faster: fast accumulation)"
 
 
 def _fast_twin(e: CandidateEvidence, pool: List[CandidateEvidence]) -> Optional[CandidateEvidence]:
@@ -119,14 +116,6 @@ def _fast_twin(e: CandidateEvidence, pool: List[CandidateEvidence]) -> Optional[
         return None
     twin = KernelChoice(e.candidate.backend, recipe + FAST_ACCUM_SUFFIX)
     return next((c for c in pool if c.candidate == twin), None)
-
-
-def _accumulation_note(best: CandidateEvidence, admissible: List[CandidateEvidence]) -> str:
-    """What the reason adds when fast accumulation won over a faster-looking promoted twin."""
-    top = _top_speed(admissible)
-    if top is best:
-        return ""
-    return f"; over {top.candidate} ({top.speedup:.2f}x, not clearly faster: fast accumulation)"
 
 
 def _finite(e: CandidateEvidence) -> bool:
@@ -202,13 +191,13 @@ def share_quantizations(plan: DispatchPlan, *, max_mere: float, min_speedup: flo
             ]
             if not sharing:
                 continue
-            best = _fastest(sharing)
+            best, accumulation = _fastest(sharing)
             alone = f"{own.evidence.speedup:.2f}x" if own.evidence is not None else "?"
             reason = (
                 f"shares the forward's tensorwise quantization (compiled): MERE {best.error.value:.4f} "
                 f"(hi {best.error.high:.4f} < {max_mere}), {best.speedup:.2f}x (lo {best.speedup_low:.2f}x >= "
                 f"{min_speedup}); alone {own.choice} was {alone}"
-            ) + _accumulation_note(best, sharing)
+            ) + accumulation
             roles[role] = RoleDecision(best.candidate, reason, own.source, best, own.considered)
         layers[name] = dataclasses.replace(layer, roles=roles)
     return dataclasses.replace(plan, layers=layers)
