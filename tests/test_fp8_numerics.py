@@ -416,6 +416,33 @@ def test_quantize_empty_tensors(granularity, shape):
     assert tuple(q.dequant_scale.shape) == expected_scale_shape
 
 
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_permuted", "tall"])
+def test_tensorwise_scale_equals_the_whole_tensor_amax_eagerly_and_compiled(layout, bad):
+    # The tensorwise amax is reduced per row (per column of a transposed view) first, or in one pass
+    # for tall operands; the maximum must be the whole tensor's, bit for bit, in any layout and with
+    # inf/NaN, eager and compiled.
+    src = torch.randn(6, 4, 5, 8, dtype=torch.bfloat16) * 3
+    tall = torch.randn(20000, 3, dtype=torch.bfloat16)  # more rows than the row-first pass takes
+    if bad is not None:
+        src[2, 1, 3, 5] = bad
+        tall[12345, 1] = bad
+    x = {
+        "contiguous": lambda: src.reshape(24, 40),
+        "transposed": lambda: src.reshape(24, 40).t(),
+        "head_permuted": lambda: src.transpose(1, 2).reshape(6, 160),  # attention's heads -> features
+        "tall": lambda: tall,
+    }[layout]()
+    expected = amax_to_scale(x.abs().amax(), Fp8Format.E4M3, nonfinite="propagate").reciprocal()
+
+    def scale_of(t):
+        return quantize(t, "e4m3", "tensorwise", nonfinite="propagate").dequant_scale
+
+    compiled = torch.compile(scale_of, fullgraph=True, dynamic=False)
+    for got in (scale_of(x), compiled(x)):
+        assert torch.equal(got, expected) or (bad is not None and torch.isnan(got) and torch.isnan(expected))
+
+
 @pytest.mark.parametrize("granularity", list(Granularity))
 def test_quantize_1d_input_is_one_row(granularity):
     x = torch.linspace(-3, 5, 200)

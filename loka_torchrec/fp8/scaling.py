@@ -198,7 +198,7 @@ def quantize(
         raise ValueError(f"{name}: expected a 2-D (rows, K) operand, got shape {tuple(x.shape)}")
     opts = dict(power_of_two=power_of_two, margin_bits=margin_bits, nonfinite=nonfinite, name=name)
     if granularity == Granularity.TENSORWISE:
-        scale = amax_to_scale(x.abs().amax() if x.numel() else x.new_zeros(()), fmt, **opts)
+        scale = amax_to_scale(_tensor_amax(x), fmt, **opts)
         return Fp8Tensor(saturated_cast(x, scale, fmt).contiguous(), scale.reciprocal().float(), fmt, granularity)
     if granularity == Granularity.ROWWISE:
         amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros((x.shape[0], 1))
@@ -215,6 +215,29 @@ def quantize(
     data = saturated_cast(tiles, expanded, fmt)
     data = data.reshape(tiles.shape[0] * br, tiles.shape[2] * bk)[:rows, :k].contiguous()
     return Fp8Tensor(data, scale.reciprocal().float(), fmt, granularity, (br, bk))
+
+
+_ROW_FIRST_MAX_PARTIALS = 16384
+"""Most partial maxima :func:`_tensor_amax` leaves for its second pass (a single block reduces them)."""
+
+
+def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` of a 2-D ``x``: along its contiguous dim first where that leaves few partial maxima.
+
+    The maximum is exact in any order, so this equals ``x.abs().amax()`` bit for bit. The order is
+    for ``torch.compile``: Inductor inlines a pointwise producer (a transpose's copy, an add) into the
+    reduction, and one reduction over all ``rows * K`` elements, split into chunks that cross rows,
+    reads such a producer with div/mod index arithmetic per element and from unaligned chunk starts;
+    reduced along a row (a column of a transposed view) the index arithmetic stays within the row.
+    Tall, narrow operands (more than ``_ROW_FIRST_MAX_PARTIALS`` rows) keep the single reduction, whose
+    split Inductor chooses, rather than a second pass over one partial per row.
+    """
+    if not x.numel():
+        return x.new_zeros(())
+    dim = 1 if x.stride(1) == 1 else 0
+    if x.shape[1 - dim] > _ROW_FIRST_MAX_PARTIALS:
+        return x.abs().amax()
+    return x.abs().amax(dim=dim).amax()
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
