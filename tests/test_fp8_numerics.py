@@ -37,6 +37,7 @@ from loka_torchrec.fp8 import (
     saturated_cast,
     sqnr_db,
 )
+from loka_torchrec.fp8 import scaling
 
 EPS32 = 2.0**-24  # unit roundoff of float32 (the scales and the dequantization run in float32)
 FORMATS = list(Fp8Format)
@@ -417,30 +418,36 @@ def test_quantize_empty_tensors(granularity, shape):
 
 
 @pytest.mark.parametrize("bad", [None, math.inf, math.nan])
-@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_permuted", "tall"])
-def test_tensorwise_scale_equals_the_whole_tensor_amax_eagerly_and_compiled(layout, bad):
-    # The tensorwise amax is reduced per row (per column of a transposed view) first, or in one pass
-    # for tall operands; the maximum must be the whole tensor's, bit for bit, in any layout and with
-    # inf/NaN, eager and compiled.
-    src = torch.randn(6, 4, 5, 8, dtype=torch.bfloat16) * 3
-    tall = torch.randn(20000, 3, dtype=torch.bfloat16)  # more rows than the row-first pass takes
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_permuted", "tall", "unchunked"])
+@pytest.mark.parametrize("order", scaling.AMAX_ORDERS)
+def test_tensorwise_scale_equals_the_whole_tensor_amax_eagerly_and_compiled(order, layout, bad, monkeypatch):
+    # Every reduction order of the tensorwise amax (in chunks of a row, along rows, whole) must give
+    # the whole tensor's maximum, bit for bit, in any layout and with inf/NaN, eager and compiled.
+    monkeypatch.setattr(scaling, "_AMAX_ORDER", order)
+    src = torch.randn(6, 4, 8, 64, dtype=torch.bfloat16) * 3  # (batch, heads, tokens, head dim)
+    tall = torch.randn(scaling._ROW_FIRST_MAX_PARTIALS + 5, 256, dtype=torch.bfloat16)
+    odd = torch.randn(24, 40, dtype=torch.bfloat16)  # rows not a multiple of the chunk
     if bad is not None:
         src[2, 1, 3, 5] = bad
-        tall[12345, 1] = bad
+        tall[12345, 100] = bad
+        odd[7, 9] = bad
     x = {
-        "contiguous": lambda: src.reshape(24, 40),
-        "transposed": lambda: src.reshape(24, 40).t(),
-        "head_permuted": lambda: src.transpose(1, 2).reshape(6, 160),  # attention's heads -> features
+        "contiguous": lambda: src.reshape(48, 256),
+        "transposed": lambda: src.reshape(48, 256).t(),
+        "head_permuted": lambda: src.transpose(1, 2).reshape(6, 2048),  # attention's heads -> features
         "tall": lambda: tall,
+        "unchunked": lambda: odd,
     }[layout]()
     expected = amax_to_scale(x.abs().amax(), Fp8Format.E4M3, nonfinite="propagate").reciprocal()
 
     def scale_of(t):
         return quantize(t, "e4m3", "tensorwise", nonfinite="propagate").dequant_scale
 
+    torch._dynamo.reset()  # the order is read while tracing
     compiled = torch.compile(scale_of, fullgraph=True, dynamic=False)
     for got in (scale_of(x), compiled(x)):
         assert torch.equal(got, expected) or (bad is not None and torch.isnan(got) and torch.isnan(expected))
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("granularity", list(Granularity))

@@ -217,27 +217,39 @@ def quantize(
     return Fp8Tensor(data, scale.reciprocal().float(), fmt, granularity, (br, bk))
 
 
+AMAX_ORDERS = ("chunks", "rows", "whole")
+_AMAX_ORDER = "chunks"
+"""How :func:`_tensor_amax` orders its reduction (one of ``AMAX_ORDERS``; a benchmark compares them)."""
+_AMAX_CHUNK = 256
 _ROW_FIRST_MAX_PARTIALS = 16384
-"""Most partial maxima :func:`_tensor_amax` leaves for its second pass (a single block reduces them)."""
 
 
 def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` of a 2-D ``x``: along its contiguous dim first where that leaves few partial maxima.
+    """``max |x|`` of a 2-D ``x``, reduced in an order that ``torch.compile`` turns into fast kernels.
 
-    The maximum is exact in any order, so this equals ``x.abs().amax()`` bit for bit. The order is
-    for ``torch.compile``: Inductor inlines a pointwise producer (a transpose's copy, an add) into the
-    reduction, and one reduction over all ``rows * K`` elements, split into chunks that cross rows,
-    reads such a producer with div/mod index arithmetic per element and from unaligned chunk starts;
-    reduced along a row (a column of a transposed view) the index arithmetic stays within the row.
-    Tall, narrow operands (more than ``_ROW_FIRST_MAX_PARTIALS`` rows) keep the single reduction, whose
-    split Inductor chooses, rather than a second pass over one partial per row.
+    The maximum is exact in any order, so every order equals ``x.abs().amax()`` bit for bit. Inductor
+    inlines a pointwise producer (a transpose's copy, an add) into the reduction and fuses the
+    reduction into a producer that reduces over the same ranges (a norm over blocks of a row). One
+    reduction over all ``rows * K`` elements ("whole") is split into chunks that cross rows, so an
+    inlined transpose is read with div/mod index arithmetic per element, from unaligned chunk starts.
+
+    * ``"chunks"`` (default): along the contiguous dim in chunks of ``_AMAX_CHUNK`` elements (when
+      they divide it; else "whole"), then over each row's chunk maxima, then over the rows: index
+      arithmetic stays within a chunk, and the chunks match a norm over blocks of that width;
+    * ``"rows"``: along the contiguous dim, then over the rows (tall operands, more than
+      ``_ROW_FIRST_MAX_PARTIALS`` rows, "whole");
+    * ``"whole"``: ``x.abs().amax()``, the split left to Inductor.
     """
     if not x.numel():
         return x.new_zeros(())
-    dim = 1 if x.stride(1) == 1 else 0
-    if x.shape[1 - dim] > _ROW_FIRST_MAX_PARTIALS:
-        return x.abs().amax()
-    return x.abs().amax(dim=dim).amax()
+    if x.stride(1) != 1 and x.stride(0) == 1:
+        x = x.t()  # the contiguous dim last: a transposed view's amax is the tensor's
+    rows, cols = x.shape
+    if _AMAX_ORDER == "chunks" and x.stride(1) == 1 and cols % _AMAX_CHUNK == 0:
+        return x.unflatten(1, (cols // _AMAX_CHUNK, _AMAX_CHUNK)).abs().amax(dim=2).amax(dim=1).amax()
+    if _AMAX_ORDER == "rows" and x.stride(1) == 1 and rows <= _ROW_FIRST_MAX_PARTIALS:
+        return x.abs().amax(dim=1).amax()
+    return x.abs().amax()
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
