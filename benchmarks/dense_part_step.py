@@ -25,9 +25,9 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``loka_fast_accum_compile``, ``loka_fast_accum_fwd_compile``: ``--plan`` as it is, with each FP8
   GEMM (or each FP8 forward GEMM) on its recipe's ``_fast_accum`` twin: the speed that fast
   accumulation would add to that plan, whatever its accuracy (a training run measures that).
-* ``loka_row_amax_compile``, ``loka_whole_amax_compile``: ``--plan`` with every tensorwise amax
-  reduced along rows first, or in one reduction over the whole operand, instead of in chunks of a
-  row (``loka_torchrec.fp8.scaling._tensor_amax``): the reduction orders compared in one process.
+* ``loka_whole_amax_compile``: ``--plan`` with every tensorwise amax one reduction over the whole
+  operand instead of in chunks of a row (``loka_torchrec.fp8.scaling._tensor_amax``): what the
+  chunked order is worth, in one process.
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
 GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
@@ -69,7 +69,7 @@ from loka_torchrec.mods import ModsConfig, apply_mods
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_nomods_compile_cudagraphs",
         "torchao_tensorwise_compile", "torchao_rowwise_compile", "loka_compile", "loka_compile_max_autotune",
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
-        "loka_fast_accum_fwd_compile", "loka_row_amax_compile", "loka_whole_amax_compile")  # fmt: skip
+        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
@@ -77,7 +77,7 @@ PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "sc
 candidate they are restricted to (``None``: the fastest that passes)."""
 FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "loka_fast_accum_fwd_compile": ("fwd",)}
 """Runs whose plan is ``--plan`` with these roles' FP8 GEMMs on their ``_fast_accum`` twins."""
-AMAX_ORDER_RUNS = {"loka_row_amax_compile": "rows", "loka_whole_amax_compile": "whole"}
+AMAX_ORDER_RUNS = {"loka_whole_amax_compile": "whole"}
 DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
 
 

@@ -217,38 +217,34 @@ def quantize(
     return Fp8Tensor(data, scale.reciprocal().float(), fmt, granularity, (br, bk))
 
 
-AMAX_ORDERS = ("chunks", "rows", "whole")
+AMAX_ORDERS = ("chunks", "whole")
 _AMAX_ORDER = "chunks"
 """How :func:`_tensor_amax` orders its reduction (one of ``AMAX_ORDERS``; a benchmark compares them)."""
 _AMAX_CHUNK = 256
-_ROW_FIRST_MAX_PARTIALS = 16384
 
 
 def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` of a 2-D ``x``, reduced in an order that ``torch.compile`` turns into fast kernels.
 
-    The maximum is exact in any order, so every order equals ``x.abs().amax()`` bit for bit. Inductor
+    The maximum is exact in any order, so both orders equal ``x.abs().amax()`` bit for bit. Inductor
     inlines a pointwise producer (a transpose's copy, an add) into the reduction and fuses the
-    reduction into a producer that reduces over the same ranges (a norm over blocks of a row). One
-    reduction over all ``rows * K`` elements ("whole") is split into chunks that cross rows, so an
-    inlined transpose is read with div/mod index arithmetic per element, from unaligned chunk starts.
+    reduction into a producer that reduces over the same ranges (a norm over blocks of a row).
 
     * ``"chunks"`` (default): along the contiguous dim in chunks of ``_AMAX_CHUNK`` elements (when
-      they divide it; else "whole"), then over each row's chunk maxima, then over the rows: index
-      arithmetic stays within a chunk, and the chunks match a norm over blocks of that width;
-    * ``"rows"``: along the contiguous dim, then over the rows (tall operands, more than
-      ``_ROW_FIRST_MAX_PARTIALS`` rows, "whole");
-    * ``"whole"``: ``x.abs().amax()``, the split left to Inductor.
+      they divide it; else as "whole"), then over each row's chunk maxima, then over the rows. An
+      inlined transpose is read with index arithmetic within a chunk, and the chunks match a norm
+      over blocks of that width, which then computes them in its own kernel.
+    * ``"whole"``: ``x.abs().amax()``, one reduction over all ``rows * K`` elements that Inductor
+      splits into chunks crossing rows: an inlined transpose is then read with div/mod index
+      arithmetic per element, from unaligned chunk starts.
     """
     if not x.numel():
         return x.new_zeros(())
     if x.stride(1) != 1 and x.stride(0) == 1:
         x = x.t()  # the contiguous dim last: a transposed view's amax is the tensor's
-    rows, cols = x.shape
+    cols = x.shape[1]
     if _AMAX_ORDER == "chunks" and x.stride(1) == 1 and cols % _AMAX_CHUNK == 0:
         return x.unflatten(1, (cols // _AMAX_CHUNK, _AMAX_CHUNK)).abs().amax(dim=2).amax(dim=1).amax()
-    if _AMAX_ORDER == "rows" and x.stride(1) == 1 and rows <= _ROW_FIRST_MAX_PARTIALS:
-        return x.abs().amax(dim=1).amax()
     return x.abs().amax()
 
 
