@@ -426,7 +426,7 @@ def test_tensorwise_scale_equals_the_whole_tensor_amax_eagerly_and_compiled(orde
     monkeypatch.setattr(scaling, "_AMAX_ORDER", order)
     src = torch.randn(6, 4, 8, 64, dtype=torch.bfloat16) * 3  # (batch, heads, tokens, head dim)
     tall = torch.randn(20000, 256, dtype=torch.bfloat16)
-    odd = torch.randn(24, 40, dtype=torch.bfloat16)  # rows not a multiple of the chunk
+    odd = torch.randn(24, 40, dtype=torch.bfloat16)  # rows of 40: not a multiple of the chunk
     if bad is not None:
         src[2, 1, 3, 5] = bad
         tall[12345, 100] = bad

@@ -609,11 +609,13 @@ def test_torch_compile_aot_eager_matches_eager():
     torch._dynamo.reset()
 
 
-# Quantized operands (amax ops not feeding another amax) in the compiled forward / backward graphs. Tensorwise: x and W / dy (W^T and the
-# transposed operands are the forward's and grad-input's FP8 bytes transposed). Rowwise: x, W and
-# x^T (grad-weight's B) / dy, dy^T and W^T (a row of W^T is a column of W: quantized again).
+# Quantized operands (amax ops not feeding another amax) in the compiled forward / backward graphs.
+# Tensorwise: x and W / dy (W^T and the transposed operands are the forward's and grad-input's FP8
+# bytes transposed). Rowwise: x, W and x^T (grad-weight's B) / dy, dy^T and W^T (a row of W^T is a
+# column of W: quantized again).
 @pytest.mark.parametrize("choice, fwd_amaxes, bwd_amaxes", [("scaled_mm:tensorwise", 2, 1), ("scaled_mm:rowwise", 3, 3)])
-def test_compiled_backward_reuses_the_forward_fp8_weight(choice, fwd_amaxes, bwd_amaxes):
+@pytest.mark.parametrize("in_features", [64, 512])  # 512: tensorwise amaxes reduced in chunks of a row
+def test_compiled_backward_reuses_the_forward_fp8_weight(choice, fwd_amaxes, bwd_amaxes, in_features):
     """Compiled, a tensorwise W^T for grad-input is the forward's FP8 W transposed: the backward
     computes no amax of the weight; rowwise must quantize W^T again."""
     from torch._dynamo.backends.common import aot_autograd
@@ -622,7 +624,7 @@ def test_compiled_backward_reuses_the_forward_fp8_weight(choice, fwd_amaxes, bwd
 
     def counting(name):
         def compiler(gm, example_inputs):
-            amax = torch.ops.aten.amax.default  # a tensorwise amax is two: along rows, then of those
+            amax = torch.ops.aten.amax.default  # a tensorwise amax may be a chain (chunks, rows, all)
             amaxes[name] = sum(n.target is amax and not any(u.target is amax for u in n.users) for n in gm.graph.nodes)
             return gm
 
@@ -630,8 +632,8 @@ def test_compiled_backward_reuses_the_forward_fp8_weight(choice, fwd_amaxes, bwd
 
     torch._dynamo.reset()
     torch.manual_seed(3)
-    layer = LokaLinear(64, 32, bias=False, kernels=kernels_for(choice, "all"))
-    x = torch.randn(16, 64, requires_grad=True)
+    layer = LokaLinear(in_features, 32, bias=False, kernels=kernels_for(choice, "all"))
+    x = torch.randn(16, in_features, requires_grad=True)
     compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=counting("fwd"), bw_compiler=counting("bwd")), fullgraph=True)
     results = []
     for m in (layer, compiled):
