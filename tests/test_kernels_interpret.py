@@ -297,3 +297,63 @@ else:
         x, w = _data(24, 64, torch.bfloat16, seed=14), _data(32, 64, torch.bfloat16, seed=15)
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
         assert torch.equal(compiled(x, w), layer(x, w))
+
+    def test_compiled_layer_keeps_the_fused_fp8_weight_pair_for_the_backward(monkeypatch):
+        # Where the Triton kernels run, a compiled tensorwise LokaLinear takes W and W^T from one
+        # fused op; the partitioner (Inductor's min-cut) must keep W^T for grad-input instead of
+        # casting the bf16 W to FP8 again in the backward, and the gradients must stay right.
+        from functorch.compile import min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        from loka_torchrec.dispatch import linear as linear_module
+        from loka_torchrec.dispatch.layer_kernels import LayerKernels
+        from loka_torchrec.evidence import KernelChoice
+
+        graphs = {}
+
+        def keep(name):
+            def compiler(gm, example_inputs):
+                graphs[name] = gm.graph
+                return gm
+
+            return compiler
+
+        def weight_casts(graph, shapes):
+            return [
+                n for n in graph.nodes
+                if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default
+                and n.kwargs.get("dtype") in (torch.float8_e4m3fn, torch.float8_e5m2)
+                and tuple(n.meta["val"].shape) in shapes
+            ]  # fmt: skip
+
+        def grads(pair: bool):
+            monkeypatch.setattr(linear_module, "fused_quantize_available", lambda t: pair)
+            torch.manual_seed(5)
+            layer = linear_module.LokaLinear(96, 48, bias=False, kernels=LayerKernels.uniform(KernelChoice.parse("scaled_mm:tensorwise")))
+            assert layer._plan.weight_pair is pair
+            backend = aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=min_cut_rematerialization_partition)
+            compiled = torch.compile(layer, backend=backend, fullgraph=True)
+            x = _data(32, 96, torch.float32, seed=16).requires_grad_(True)
+            compiled(x).square().sum().backward()
+            torch._dynamo.reset()
+            return x, layer.weight, x.grad, layer.weight.grad
+
+        def errors(x, w, dx, dw):
+            """Relative Frobenius errors of dx and dW against float64 (dy = 2 y, y itself from FP8)."""
+            y = x.detach().double() @ w.detach().double().t()
+            refs = ((2 * y) @ w.detach().double(), (2 * y).t() @ x.detach().double())
+            return [float(torch.linalg.norm(g.double() - r) / torch.linalg.norm(r)) for g, r in zip((dx, dw), refs)]
+
+        x, w, dx, dw = grads(pair=True)
+        fused = [n for n in graphs["fwd"].nodes if n.op == "call_function" and "loka.fp8_quantize" in str(n.target)]
+        assert fused, "the forward must quantize W and W^T in the fused op"
+        assert not weight_casts(graphs["bwd"], {(48, 96), (96, 48)}), "the backward cast W to FP8 again"
+        paired = errors(x, w, dx, dw)
+        cast = errors(*grads(pair=False))
+        assert weight_casts(graphs["bwd"], {(48, 96), (96, 48)}), "without the pair the backward casts W again"
+        # E4M3 rounds each operand by at most 2**-4 relative; dy carries the forward's FP8 error too.
+        # The interpreter's cast also halves values that round up into the next binade (~2% of
+        # codes, module docstring), so the bound is the format's, not the torch path's errors.
+        print(f"relative errors: pair {paired}, cast again {cast}")
+        for err in paired + cast:
+            assert err < 4 * 2.0**-4
