@@ -28,9 +28,6 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``loka_whole_amax_compile``: ``--plan`` with every tensorwise amax one reduction over the whole
   operand instead of in chunks of a row (``loka_torchrec.fp8.scaling._tensor_amax``): what the
   chunked order is worth, in one process.
-* ``loka_unpaired_weight_compile``: ``--plan`` with the weights' FP8 ``W`` and ``W^T`` cast by
-  Inductor (``LOKA_EAGER_QUANTIZE=1`` while the model is converted) instead of taken from the fused
-  kernel as a pair: what the pair is worth, in one process.
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
 GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
@@ -72,7 +69,7 @@ from loka_torchrec.mods import ModsConfig, apply_mods
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_nomods_compile_cudagraphs",
         "torchao_tensorwise_compile", "torchao_rowwise_compile", "loka_compile", "loka_compile_max_autotune",
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
-        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_unpaired_weight_compile")  # fmt: skip
+        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
@@ -101,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
-    for run in ("loka_compile", "loka_compile_max_autotune", "loka_unpaired_weight_compile", *AMAX_ORDER_RUNS):
+    for run in ("loka_compile", "loka_compile_max_autotune", *AMAX_ORDER_RUNS):
         if run in args.runs and not (args.plan or args.mode):
             p.error(f"--runs {run}: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
     if any(r in PLAN_VARIANTS for r in args.runs) and not args.plan:
@@ -200,17 +197,7 @@ def make(run: str, args, device) -> nn.Module:
             plan_path = f"{args.out}-{run}-plan.json"
             fast_accum_plan(DispatchPlan.load(args.plan), FAST_ACCUM_VARIANTS[run]).save(plan_path)
         dispatch = DispatchConfig(mode="pinned", plan_path=plan_path) if plan_path else DispatchConfig(mode=args.mode)
-        unpaired = run == "loka_unpaired_weight_compile"
-        before = os.environ.get("LOKA_EAGER_QUANTIZE")
-        if unpaired:  # read when each layer's plan is built, i.e. during apply()
-            os.environ["LOKA_EAGER_QUANTIZE"] = "1"
-        try:
-            report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
-        finally:
-            if unpaired and before is None:
-                del os.environ["LOKA_EAGER_QUANTIZE"]
-            elif unpaired:
-                os.environ["LOKA_EAGER_QUANTIZE"] = before
+        report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
         print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
     if run.endswith("_max_autotune"):
         mode = "max-autotune-no-cudagraphs"

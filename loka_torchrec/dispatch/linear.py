@@ -76,7 +76,6 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from loka_torchrec.gemm.backends import GemmBackend, get_backend
-from loka_torchrec.gemm.backends.operand_quantize import fused_quantize_available
 from loka_torchrec.gemm.backends.high_precision import high_precision_dtype
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec, recipe_for
@@ -152,7 +151,6 @@ class _LayerPlan(NamedTuple):
     wgrad: _RoleKernel
     in_features: int
     out_features: int
-    weight_pair: bool = False  # compiled: W and W^T from one fused kernel (see _fused_weight_pair)
 
     @property
     def all_high_precision(self) -> bool:
@@ -369,33 +367,6 @@ def _reuses_transposed(src: _RoleKernel, src_operand: str, dst: _RoleKernel, dst
     )  # fmt: skip
 
 
-def _fused_weight_pair(plan: _LayerPlan, device: torch.device) -> bool:
-    """Whether the compiled forward takes ``W`` and ``W^T`` in FP8 from the fused quantization kernel.
-
-    Where grad-input's ``W^T`` is the forward's tensorwise FP8 ``W`` transposed, Inductor casts ``W``
-    in the forward and, to keep less for the backward, casts it again there (reading the bf16 ``W``
-    twice a step). The fused kernel (a ``torch.library`` op, which the partitioner keeps rather than
-    recomputes) reads ``W`` for its amax and once more to write both layouts. On a GPU with the
-    Triton kernels, for unpadded tensorwise weights of a backend that offers the pair.
-    """
-    fk = plan.fwd
-    if not _reuses_transposed(fk, "b", plan.dgrad, "b") or fk.recipe.b.granularity != Granularity.TENSORWISE:
-        return False
-    if fk.padded(plan.out_features) != plan.out_features or fk.padded(plan.in_features) != plan.in_features:
-        return False
-    if getattr(fk.backend, "quantize_with_transpose", None) is None or device.type == "meta":
-        return False
-    return fused_quantize_available(torch.empty(0, device=device))
-
-
-def _weight_pair(q: _Quantizer, weight: torch.Tensor, spec: OperandSpec) -> Tuple[Fp8Tensor, Fp8Tensor]:
-    """``W`` and ``W^T`` (both row-major) in FP8 from the fused kernel (:func:`_fused_weight_pair`)."""
-    from loka_torchrec.kernels.fp8_quantize import fp8_quantize_with_transpose  # optional: Triton
-
-    w_op, w_t = fp8_quantize_with_transpose(weight, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, name="weight")
-    return q.counted(w_op), w_t  # one weight: its NaN scale counted once
-
-
 def _wgrad_activation(q: _Quantizer, x2d: torch.Tensor, xq: Any, plan: _LayerPlan) -> Tuple[str, Any]:
     """What the forward keeps of ``x`` for grad-weight: ``(mode, operand)``.
 
@@ -472,12 +443,9 @@ class _LokaLinearFunction(torch.autograd.Function):
         if state is None and ctx.needs_input_grad[0] and _reuses_transposed(plan.fwd, "b", plan.dgrad, "b"):
             # Compiled: W^T for grad-input is the forward's FP8 W transposed (the eager path gets
             # the same from its weight cache), one cast of W per step instead of two.
-            if plan.weight_pair:
-                w_op, w_t = _weight_pair(q, weight, plan.fwd.recipe.b)
-            else:
-                w_op = _weight_operand(q, weight, plan.fwd, plan, transposed=False)
-                if isinstance(w_op, Fp8Tensor):
-                    w_t = _transpose_fp8(w_op)
+            w_op = _weight_operand(q, weight, plan.fwd, plan, transposed=False)
+            if isinstance(w_op, Fp8Tensor):
+                w_t = _transpose_fp8(w_op)
         y, xq = _forward_gemm(q, x2d, weight, bias, plan, xq=None if pair is None else pair[0], w_op=w_op)
         ctx.plan, ctx.state = plan, state
         ctx.x_dtype = x2d.dtype
@@ -606,8 +574,7 @@ class GemmSite(nn.Module):
     def _build_plan(self, device: torch.device) -> None:
         self.fallback_reasons = {}
         self._plan_device = device
-        plan = _LayerPlan(*(self._role_kernel(role, device) for role in _ROLES), self.in_features, self.out_features)
-        self._plan = plan._replace(weight_pair=_fused_weight_pair(plan, device))
+        self._plan = _LayerPlan(*(self._role_kernel(role, device) for role in _ROLES), self.in_features, self.out_features)
 
     def _role_kernel(self, role: GemmRole, device: torch.device) -> _RoleKernel:
         choice = self._kernels.for_role(role)
