@@ -233,7 +233,9 @@ def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
     * ``"chunks"`` (default): along the contiguous dim in chunks of ``_AMAX_CHUNK`` elements (when
       they divide it; else as "whole"), then over each row's chunk maxima, then over the rows. An
       inlined transpose is read with index arithmetic within a chunk, and the chunks match a norm
-      over blocks of that width, which then computes them in its own kernel.
+      over blocks of that width, which then computes them in its own kernel. The step over each
+      row's maxima keeps the last reduction to one value per row: a single reduction over all the
+      chunk maxima can be left to one thread block.
     * ``"whole"``: ``x.abs().amax()``, one reduction over all ``rows * K`` elements that Inductor
       splits into chunks crossing rows: an inlined transpose is then read with div/mod index
       arithmetic per element, from unaligned chunk starts.
