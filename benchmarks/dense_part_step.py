@@ -25,8 +25,16 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``loka_fast_accum_compile``, ``loka_fast_accum_fwd_compile``: ``--plan`` as it is, with each FP8
   GEMM (or each FP8 forward GEMM) on its recipe's ``_fast_accum`` twin: the speed that fast
   accumulation would add to that plan, whatever its accuracy (a training run measures that).
+* ``loka_delayed_compile``: ``--plan`` with ``forward_scaling="delayed"``: the forward's tensorwise
+  input and weight operands scaled by the amax history, so their casts need no amax pass first
+  (the warm-up's first step records the history; the next one compiles once more).
+* ``loka_saved_weight_compile``, ``loka_delayed_saved_weight_compile``,
+  ``bf16_compile_cudagraphs_saved_weight``: ``loka_compile``, ``loka_delayed_compile`` and
+  ``bf16_compile_cudagraphs`` with parameters not free to save for AOTAutograd's partitioner
+  (``torch._functorch.config.treat_parameters_as_free_to_save=False``): the backward then reads
+  the forward's FP8 ``W^T`` instead of casting the bf16 weight again.
 * ``loka_whole_amax_compile``: ``--plan`` with every tensorwise amax one reduction over the whole
-  operand instead of in chunks of a row (``loka_torchrec.fp8.scaling._tensor_amax``): what the
+  operand instead of in chunks of a row (``loka_torchrec.fp8.scaling.tensor_amax``): what the
   chunked order is worth, in one process.
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
@@ -50,6 +58,7 @@ import sys
 from typing import Callable, Dict, Optional
 
 import torch
+import torch._functorch.config
 from torch import nn
 
 from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -69,8 +78,9 @@ from loka_torchrec.mods import ModsConfig, apply_mods
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_nomods_compile_cudagraphs",
         "torchao_tensorwise_compile", "torchao_rowwise_compile", "loka_compile", "loka_compile_max_autotune",
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
-        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile")  # fmt: skip
-BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune")
+        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_delayed_compile", "loka_saved_weight_compile",
+        "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")  # fmt: skip
+BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_compile_cudagraphs_saved_weight")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
 """Runs whose plan is re-decided from ``--plan``'s evidence by the gates alone, with the one
@@ -79,6 +89,12 @@ FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "lo
 """Runs whose plan is ``--plan`` with these roles' FP8 GEMMs on their ``_fast_accum`` twins."""
 AMAX_ORDER_RUNS = {"loka_whole_amax_compile": "whole"}
 DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
+FORWARD_SCALING_RUNS = {"loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed"}
+"""Runs whose layers scale their forward operands other than ``loka_compile``'s ``current``."""
+SAVED_WEIGHT_RUNS = ("loka_saved_weight_compile", "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")
+"""Runs compiled with parameters not free to save (``torch._functorch.config.treat_parameters_as_free_to_save``
+off): the partitioner then keeps what the forward computed from a weight (the FP8 ``W^T``) for the
+backward instead of recomputing it there from the saved weight."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
-    for run in ("loka_compile", "loka_compile_max_autotune", *AMAX_ORDER_RUNS):
+    for run in ("loka_compile", "loka_compile_max_autotune", *AMAX_ORDER_RUNS, *FORWARD_SCALING_RUNS, "loka_saved_weight_compile"):
         if run in args.runs and not (args.plan or args.mode):
             p.error(f"--runs {run}: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
     if any(r in PLAN_VARIANTS for r in args.runs) and not args.plan:
@@ -197,7 +213,8 @@ def make(run: str, args, device) -> nn.Module:
             plan_path = f"{args.out}-{run}-plan.json"
             fast_accum_plan(DispatchPlan.load(args.plan), FAST_ACCUM_VARIANTS[run]).save(plan_path)
         dispatch = DispatchConfig(mode="pinned", plan_path=plan_path) if plan_path else DispatchConfig(mode=args.mode)
-        report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True))
+        scaling_mode = FORWARD_SCALING_RUNS.get(run, "current")
+        report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True, forward_scaling=scaling_mode))
         print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
     if run.endswith("_max_autotune"):
         mode = "max-autotune-no-cudagraphs"
@@ -232,6 +249,7 @@ def main(argv=None) -> int:
     for run in args.runs:
         try:
             scaling._AMAX_ORDER = AMAX_ORDER_RUNS.get(run, DEFAULT_AMAX_ORDER)  # read while compiling
+            torch._functorch.config.treat_parameters_as_free_to_save = run not in SAVED_WEIGHT_RUNS
             model = make(run, args, device)
             params = list(model.parameters())
 

@@ -12,6 +12,7 @@ from loka_torchrec.fp8 import Fp8Format
 __all__ = ["DispatchConfig", "DISPATCH_MODES", "EVIDENCE_SOURCES"]
 
 DISPATCH_MODES = ("policy", "all-bf16", "all", "pinned")
+FORWARD_SCALINGS = ("current", "delayed")
 EVIDENCE_SOURCES = ("auto", "random", "probe")
 
 
@@ -77,6 +78,12 @@ class DispatchConfig:
             replays (device time, no host launch gaps), with one-pass fused quantization; and
             grad-input and grad-weight prefer the forward's tensorwise backend where it passes
             the gates (its quantizations are shared: :func:`~loka_torchrec.dispatch.policy.share_quantizations`).
+        forward_scaling: what scales the forward's FP8 tensorwise operands (the layer input and
+            the weight) in compiled steps: ``"current"`` (each tensor's own amax: the compiled
+            step reads it twice, amax then cast) or ``"delayed"`` (the largest amax of the
+            layer's last 16 calls: the cast is fused into one pass, and values beyond that amax
+            saturate). Gradients always use their current amax. See
+            :class:`~loka_torchrec.dispatch.linear.GemmSite`.
     """
 
     mode: str = "policy"
@@ -100,6 +107,7 @@ class DispatchConfig:
     min_grad_sqnr_db: float = 17.0
     max_grad_noise_ratio: float = 0.1
     grad_check: bool = True
+    forward_scaling: str = "current"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -133,6 +141,10 @@ class DispatchConfig:
         if self.fallback not in ("error", "bf16"):
             raise ValueError(f"dispatch.fallback: expected 'error' or 'bf16', got {self.fallback!r}")
         Fp8Format.parse(self.grad_format, field="dispatch.grad_format")
+        if self.forward_scaling not in FORWARD_SCALINGS:
+            raise ValueError(
+                f"dispatch.forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {self.forward_scaling!r}"
+            )
         if isinstance(self.step_guard_window, bool) or not isinstance(self.step_guard_window, int) or self.step_guard_window < 0:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:

@@ -124,7 +124,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
                 continue
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            new = LokaLinear.from_linear(module, grad_format=grad_format)
+            new = LokaLinear.from_linear(module, grad_format=grad_format, forward_scaling=config.forward_scaling)
             setattr(parent, child, new)
             layers[name] = new
             report.converted.append((name, module.in_features, module.out_features))
@@ -162,7 +162,9 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
                         continue
                     except (OSError, TypeError):
                         layout = "linear"  # no source to read: the first call reorients the site if needed
-                site = ParameterSite(holder, key, layout=layout, grad_format=grad_format)
+                site = ParameterSite(
+                    holder, key, layout=layout, grad_format=grad_format, forward_scaling=config.forward_scaling
+                )
                 site.path = path
             reason = _selected(pname, site, config)
             if reason:
@@ -185,4 +187,6 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
         if sites or isinstance(module, FAST_PATH_MODULES):
             scope_module(module, sites)
             report.scopes.append(name)
+    for site in layers.values():  # an earlier apply's sites take this config's scaling too
+        site.forward_scaling = config.forward_scaling
     return layers, report

@@ -77,17 +77,20 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from loka_torchrec.gemm.backends import GemmBackend, get_backend
 from loka_torchrec.gemm.backends.high_precision import high_precision_dtype
+from loka_torchrec.dispatch.config import FORWARD_SCALINGS
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec, recipe_for
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
-from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity, quantize
+from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity, quantize, tensor_amax
 
-__all__ = ["GemmSite", "LokaLinear", "compiling"]
+__all__ = ["AMAX_HISTORY", "GemmSite", "LokaLinear", "compiling"]
 
 logger = logging.getLogger(__name__)
 
 _ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 _PENDING_SCALES = 64  # operands whose scales are counted for nonfinite_events in one batch (eager)
+AMAX_HISTORY = 16
+"""Calls whose amaxes a ``"delayed"`` layer keeps; the largest of them scales its next call."""
 
 
 class _OptimizerSteps:
@@ -244,16 +247,22 @@ class _Quantizer:
 
     ``counts`` collects, while compiling, the number of NaN scales of each operand (scaling groups
     holding inf/NaN); eagerly the scales are queued on the layer's :class:`_EagerState` instead.
+    ``prior_amax`` (compiled only): ``"input"`` / ``"weight"`` -> the amax that scales that tensor's
+    tensorwise operands (either layout) in place of its own (delayed scaling; see :class:`GemmSite`).
     """
 
-    def __init__(self, state: Optional[_EagerState]) -> None:
+    def __init__(self, state: Optional[_EagerState], prior_amax: Optional[Dict[str, torch.Tensor]] = None) -> None:
         self.state = state
+        self.prior_amax = prior_amax or {}
         self.counts: List[torch.Tensor] = []
 
     def __call__(self, kernel: _RoleKernel, t: torch.Tensor, spec: OperandSpec, name: str) -> Any:
         if self.state is None:
+            amax = None
+            if spec.granularity == Granularity.TENSORWISE:
+                amax = self.prior_amax.get(name.split("^")[0])  # "input^T" is scaled as "input"
             op = quantize(t, spec.fmt, spec.granularity, block=spec.block, power_of_two=spec.power_of_two,
-                          nonfinite="propagate", name=name)  # fmt: skip
+                          nonfinite="propagate", name=name, amax=amax)  # fmt: skip
         else:
             op = kernel.backend.quantize(t, spec, name=name)
         return self.counted(op)
@@ -294,6 +303,22 @@ class _Quantizer:
         if not self.counts:
             return None
         return torch.stack(self.counts).sum()
+
+
+def _delayed_operands(plan: _LayerPlan) -> Tuple[bool, bool]:
+    """Whether the forward quantizes the input, and the weight, as FP8 tensorwise operands: the
+    operands that delayed scaling serves (``x`` for the forward GEMM or, as ``x^T``, for
+    grad-weight; ``W`` for the forward GEMM, whose FP8 bytes grad-input reuses where it can)."""
+
+    def tensorwise(kernel: _RoleKernel, operand: str) -> bool:
+        return kernel.fp8 and getattr(kernel.recipe, operand).granularity == Granularity.TENSORWISE
+
+    return tensorwise(plan.fwd, "a") or tensorwise(plan.wgrad, "b"), tensorwise(plan.fwd, "b")
+
+
+def _prior_by_name(plan: _LayerPlan, prior_amax: torch.Tensor) -> Dict[str, torch.Tensor]:
+    input_slot, weight_slot = _delayed_operands(plan)
+    return {name: prior_amax[i] for i, (name, used) in enumerate((("input", input_slot), ("weight", weight_slot))) if used}
 
 
 # --------------------------------------------------------------------------------------- GEMMs
@@ -428,13 +453,15 @@ class _LokaLinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with forward, grad-input and grad-weight GEMMs on separate kernels.
 
     Stateless apart from ``state`` (eager calls only), so ``torch.compile`` traces it whole.
+    ``prior_amax``: ``None``, or (compiled) the ``(2,)`` delayed amaxes of the input and the weight
+    (:meth:`GemmSite._forward_planned`; used where :func:`_delayed_operands` says).
     Returns ``(y, nonfinite)``: ``nonfinite`` counts the NaN scales of the forward's operands when
     compiled (``None`` eagerly, where the layer's queue counts them).
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, plan: _LayerPlan, state: Optional[_EagerState]):  # type: ignore[override]
-        q = _Quantizer(state)
+    def forward(ctx, x2d, weight, bias, plan: _LayerPlan, state: Optional[_EagerState], prior_amax):  # type: ignore[override]
+        q = _Quantizer(state, None if prior_amax is None else _prior_by_name(plan, prior_amax))
         # x for the forward GEMM and x^T for grad-weight from one read of x, where one backend runs both.
         pair = None
         if ctx.needs_input_grad[1]:
@@ -490,7 +517,7 @@ class _LokaLinearFunction(torch.autograd.Function):
             grad_w = _grad_weight(q, dy2d, ctx.x_mode, x_op, dyq, plan, weight.dtype, dytq=None if pair is None else pair[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2d.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 # --------------------------------------------------------------------------------------- module
@@ -504,17 +531,40 @@ class GemmSite(nn.Module):
     its GEMM through :meth:`_site_forward`. What the Dispatcher and the Probe read
     (``kernels``/``set_kernels``, ``last_rows``, ``last_input_dtype``, ``last_autocast_dtype``,
     ``grad_format``, ``fallback_reasons``, ``nonfinite_events``) lives here.
+
+    **Forward scaling** (``forward_scaling``). ``"current"``: every FP8 operand is scaled by its own
+    amax, which a compiled step must reduce over the whole tensor before the cast can start, so
+    an operand is read twice (its amax, then its cast). ``"delayed"``: under ``torch.compile``,
+    the forward's tensorwise operands of the input and the weight are scaled by the largest amax
+    of the last ``AMAX_HISTORY`` calls (:func:`_delayed_operands`), so Inductor fuses the cast,
+    and the amax recorded for later calls, into one pass, even into the op that produces the
+    input. Values beyond that amax saturate to the format's maximum (an operand that grows from
+    one step to the next loses its largest values for that step), and a NaN or inf in the
+    operand is counted in ``nonfinite_events`` and gives NaN outputs, as with current scaling.
+    Eager calls always scale by the current amax and record the history (for every layer, FP8
+    or not, so a plan made eagerly starts its compiled steps with a history); compiled calls
+    record it for the layers that use it. A compiled call that finds no history yet scales by
+    the current amax, records it, and the next call compiles once more. Gradients (``dy``) are
+    always scaled by their current amax. The history is run-time state, not in ``state_dict``:
+    after a restart the first call records it again.
     """
 
     _nonfinite_count: torch.Tensor
+    _amax_history: torch.Tensor
     last_rows: int
     last_input_dtype: Optional[torch.dtype]
     last_autocast_dtype: Optional[torch.dtype]
     fallback_reasons: Dict[GemmRole, str]
 
-    def _init_dispatch(self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device) -> None:
-        # Non-persistent: a run-time counter, not model state; checkpoints stay nn.Linear's.
+    def _init_dispatch(
+        self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, forward_scaling: str = "current"
+    ) -> None:
+        # Non-persistent: run-time state, not model state; checkpoints stay nn.Linear's.
         self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # Row 0: the input's amax per call, row 1: the weight's; column 0 the newest.
+        self.register_buffer("_amax_history", torch.zeros(2, AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
+        self._history_seeded = False
+        self.forward_scaling = forward_scaling
         self._eager = _EagerState()
         self.last_rows = 0
         self.last_input_dtype = None
@@ -537,6 +587,17 @@ class GemmSite(nn.Module):
     @property
     def grad_format(self) -> Fp8Format:
         return self._grad_format
+
+    @property
+    def forward_scaling(self) -> str:
+        """``"current"`` or ``"delayed"``: what scales the forward's FP8 operands (class docstring)."""
+        return self._forward_scaling
+
+    @forward_scaling.setter
+    def forward_scaling(self, value: str) -> None:
+        if value not in FORWARD_SCALINGS:
+            raise ValueError(f"forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+        self._forward_scaling = value
 
     @property
     def plan(self) -> _LayerPlan:
@@ -628,6 +689,8 @@ class GemmSite(nn.Module):
         plan = self._plan
         if rows == 0:
             return F.linear(input, weight, bias)  # nothing to quantize
+        if self.forward_scaling == "delayed" and not compiling():
+            self._record_amax(input.reshape(rows, self.in_features), weight, (True, True))
         if autocast:
             if plan.all_high_precision:
                 return F.linear(input, weight, bias)  # exactly nn.Linear under autocast
@@ -642,18 +705,41 @@ class GemmSite(nn.Module):
             return F.linear(input, weight, bias)  # exactly nn.Linear
         x2d = input.reshape(rows, self.in_features)
         state = None if compiling() else self._eager
+        prior_amax = None
+        slots = _delayed_operands(plan)
+        if self.forward_scaling == "delayed" and compiling() and any(slots):
+            if self._history_seeded:
+                prior_amax = self._amax_history.amax(dim=1)
+            observed = self._record_amax(x2d, weight, slots)
+            if prior_amax is not None:  # the scales are finite: count the inf/NaN the amax saw
+                self._nonfinite_count.add_((~torch.isfinite(observed)).sum())
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         if needs_grad:
-            y2d, nonfinite = _LokaLinearFunction.apply(x2d, weight, bias, plan, state)
+            y2d, nonfinite = _LokaLinearFunction.apply(x2d, weight, bias, plan, state, prior_amax)
         else:  # no autograd bookkeeping, nothing kept for a backward
-            q = _Quantizer(state)
+            q = _Quantizer(state, None if prior_amax is None else _prior_by_name(plan, prior_amax))
             y2d = _forward_gemm(q, x2d, weight.detach(), None if bias is None else bias.detach(), plan)[0]
             nonfinite = q.total()
         if nonfinite is not None:
             self._nonfinite_count.add_(nonfinite)
         return y2d.reshape(*lead, self.out_features)
+
+    def _record_amax(self, x2d: torch.Tensor, weight: torch.Tensor, slots: Tuple[bool, bool]) -> torch.Tensor:
+        """Push this call's amax of the input and the weight (where ``slots`` says; the newest entry
+        is repeated elsewhere) onto the history; returns them. A non-finite amax is not recorded
+        (the newest entry is repeated): one step's inf must not set the scale of the next ones."""
+        history = self._amax_history
+        observed = torch.stack([
+            tensor_amax(t.detach()).to(history.dtype) if used else history[i, 0]
+            for i, (t, used) in enumerate(((x2d, slots[0]), (weight, slots[1])))
+        ])  # fmt: skip
+        newest = torch.where(torch.isfinite(observed), observed, history[:, 0])
+        history.copy_(torch.cat([newest[:, None], history[:, :-1]], dim=1))
+        if not self._history_seeded:
+            self._history_seeded = True
+        return observed
 
     def _shape_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -691,6 +777,8 @@ class LokaLinear(GemmSite, nn.Linear):
         in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
         kernels: backend and recipe per GEMM role; default all high precision.
         grad_format: FP8 format of the gradient operand (``A`` of ``dgrad`` and ``wgrad``).
+        forward_scaling: ``"current"`` or ``"delayed"`` (compiled): what scales the forward's
+            FP8 operands, see :class:`GemmSite`.
 
     Attributes:
         last_rows: rows (product of the leading dims) of the last eager forward input; a Python int.
@@ -725,14 +813,20 @@ class LokaLinear(GemmSite, nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
+        forward_scaling: str = "current",
     ) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_dispatch(kernels, grad_format, self.weight.device)
+        self._init_dispatch(kernels, grad_format, self.weight.device, forward_scaling)
 
     # ----------------------------------------------------------------------------- conversion
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, kernels: LayerKernels = LayerKernels(), grad_format: Fp8Format = Fp8Format.E4M3
+        cls,
+        linear: nn.Linear,
+        *,
+        kernels: LayerKernels = LayerKernels(),
+        grad_format: Fp8Format = Fp8Format.E4M3,
+        forward_scaling: str = "current",
     ) -> "LokaLinear":
         """A ``LokaLinear`` that shares ``linear``'s ``Parameter`` objects (no copy).
 
@@ -741,7 +835,7 @@ class LokaLinear(GemmSite, nn.Linear):
 
         Args:
             linear: the layer to wrap (any ``nn.Linear``, on any device).
-            kernels, grad_format: as for the constructor.
+            kernels, grad_format, forward_scaling: as for the constructor.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
@@ -751,11 +845,12 @@ class LokaLinear(GemmSite, nn.Linear):
         # Built on 'meta' so nothing is allocated, then given linear's own parameters.
         new = cls(
             linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", dtype=weight.dtype,
-            kernels=kernels, grad_format=grad_format,
+            kernels=kernels, grad_format=grad_format, forward_scaling=forward_scaling,
         )  # fmt: skip
         new.weight = weight
         new.bias = linear.bias
         new._nonfinite_count = torch.zeros((), dtype=torch.int64, device=weight.device)
+        new._amax_history = torch.zeros_like(new._amax_history, device=weight.device)
         new.set_kernels(kernels)  # planned for the real device now that the weight is there
         new.train(linear.training)
         return new

@@ -91,7 +91,7 @@ class ParameterSite(GemmSite):
         param_name: its key in ``holder._parameters``.
         layout: ``"linear"`` (the Parameter is ``(out, in)``, as in ``F.linear``) or ``"matmul"``
             (``(in, out)``, as in ``x @ P``).
-        kernels, grad_format: as for ``LokaLinear``.
+        kernels, grad_format, forward_scaling: as for ``LokaLinear``.
 
     Attributes:
         unreached_calls: eager calls on the Parameter that ran in high precision, with why.
@@ -115,6 +115,7 @@ class ParameterSite(GemmSite):
         layout: str = LINEAR,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
+        forward_scaling: str = "current",
     ) -> None:
         super().__init__()
         if layout not in (LINEAR, MATMUL):
@@ -131,7 +132,7 @@ class ParameterSite(GemmSite):
         self.out_features, self.in_features = self._dims(param, layout)
         self.unreached_calls: Dict[str, str] = {}
         self.other_uses: Dict[str, int] = {}
-        self._init_dispatch(kernels, grad_format, param.device)
+        self._init_dispatch(kernels, grad_format, param.device, forward_scaling)
 
     @staticmethod
     def _dims(param: torch.Tensor, layout: str) -> Tuple[int, int]:

@@ -11,6 +11,7 @@ from loka_torchrec.fp8.scaling import (
     dequantize,
     quantize,
     saturated_cast,
+    tensor_amax,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "relative_frobenius",
     "saturated_cast",
     "sqnr_db",
+    "tensor_amax",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "amax_to_scale",
     "saturated_cast",
     "quantize",
+    "tensor_amax",
     "dequantize",
 ]
 
@@ -166,6 +167,7 @@ def quantize(
     margin_bits: int = 0,
     nonfinite: NonFinitePolicy = "raise",
     name: str = "tensor",
+    amax: Optional[torch.Tensor] = None,
 ) -> Fp8Tensor:
     """Quantize a GEMM operand ``x`` of shape ``(rows, K)`` (``K`` = reduction dim) to FP8.
 
@@ -177,6 +179,10 @@ def quantize(
             get their own scale.
         power_of_two, margin_bits, nonfinite: see :func:`amax_to_scale`.
         name: the tensor's name, for error messages.
+        amax: tensorwise only: scale from this amax (a 0-d tensor, e.g. the maximum of earlier
+            steps' amaxes: *delayed* scaling) instead of ``x``'s own. The cast then needs no
+            reduction over ``x`` first, so a compiled step can fuse it into the op that produces
+            ``x``; values of ``x`` beyond ``amax`` saturate to the format's maximum.
 
     Returns:
         An :class:`Fp8Tensor` with row-major ``data`` of ``x``'s shape.
@@ -197,8 +203,11 @@ def quantize(
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D (rows, K) operand, got shape {tuple(x.shape)}")
     opts = dict(power_of_two=power_of_two, margin_bits=margin_bits, nonfinite=nonfinite, name=name)
+    if amax is not None and (granularity != Granularity.TENSORWISE or amax.dim() != 0):
+        raise ValueError(f"{name}: amax is for tensorwise scaling and must be 0-d; got {granularity.value} "
+                         f"scaling with amax of shape {tuple(amax.shape)}")  # fmt: skip
     if granularity == Granularity.TENSORWISE:
-        scale = amax_to_scale(_tensor_amax(x), fmt, **opts)
+        scale = amax_to_scale(tensor_amax(x) if amax is None else amax, fmt, **opts)
         return Fp8Tensor(saturated_cast(x, scale, fmt).contiguous(), scale.reciprocal().float(), fmt, granularity)
     if granularity == Granularity.ROWWISE:
         amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros((x.shape[0], 1))
@@ -219,11 +228,11 @@ def quantize(
 
 AMAX_ORDERS = ("chunks", "whole")
 _AMAX_ORDER = "chunks"
-"""How :func:`_tensor_amax` orders its reduction (one of ``AMAX_ORDERS``; a benchmark compares them)."""
+"""How :func:`tensor_amax` orders its reduction (one of ``AMAX_ORDERS``; a benchmark compares them)."""
 _AMAX_CHUNK = 256
 
 
-def _tensor_amax(x: torch.Tensor) -> torch.Tensor:
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` of a 2-D ``x``, reduced in an order that ``torch.compile`` turns into fast kernels.
 
     The maximum is exact in any order, so both orders equal ``x.abs().amax()`` bit for bit. Inductor

@@ -1,0 +1,203 @@
+"""Delayed scaling of the forward's FP8 operands (``forward_scaling="delayed"``).
+
+Compiled, a delayed layer scales its tensorwise input and weight operands by the largest amax of
+its earlier calls (``GemmSite._amax_history``), so the cast needs no reduction over the operand
+first; eagerly it scales by the current amax, as a ``"current"`` layer does, and records the
+history. These tests check the scales it uses (against a float64 GEMM of the operands quantized
+with exactly those scales), the saturation past them, the recompiles, the non-finite handling and
+the configuration that switches it on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import loka_torchrec
+from loka_torchrec.dispatch import DispatchConfig
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.linear import AMAX_HISTORY, LokaLinear
+from loka_torchrec.evidence import KernelChoice
+from loka_torchrec.fp8 import Fp8Format, quantize, tensor_amax
+
+E4M3 = Fp8Format.E4M3
+TENSORWISE = LayerKernels.uniform(KernelChoice("scaled_mm", "tensorwise"))
+
+
+def _compile_counter():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend("inductor")
+
+
+def _forward_reference(x: torch.Tensor, weight: torch.Tensor, amax_x: torch.Tensor, amax_w: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` in float64 from the operands quantized with these amaxes (the FP8 values are exact)."""
+    xq = quantize(x, E4M3, "tensorwise", nonfinite="propagate", amax=amax_x).dequantize(torch.float64)
+    wq = quantize(weight, E4M3, "tensorwise", nonfinite="propagate", amax=amax_w).dequantize(torch.float64)
+    return xq @ wq.t()
+
+
+def _fp32_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """An fp32-accumulated GEMM of exact FP8 values: relative error within a few fp32 roundoffs per term."""
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=scale * 64 * 2.0**-24 * 8)
+
+
+# --------------------------------------------------------------------------------------- quantize
+def test_quantize_with_a_given_amax_scales_by_it_and_saturates_beyond():
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    x[3, 5] = 6.0
+    amax = torch.tensor(2.0)
+    q = quantize(x, E4M3, "tensorwise", amax=amax)
+    assert torch.equal(q.dequant_scale, (E4M3.max / amax).reciprocal())
+    clipped = x.clamp(-2.0, 2.0).double()
+    back = q.dequantize(torch.float64)
+    inside = x.abs() < 2.0
+    # In range: e4m3 rounding (3 mantissa bits: relative error <= 2**-4) or the subnormal step.
+    step = E4M3.smallest_subnormal * 2.0 / E4M3.max
+    assert ((back - clipped).abs()[inside] <= (clipped.abs() * 2.0**-4).clamp(min=step)[inside]).all()
+    # Beyond it: exactly the format's maximum, i.e. the given amax.
+    torch.testing.assert_close(back[~inside].abs(), torch.full_like(back[~inside], 2.0), rtol=1e-6, atol=0)
+    # The tensor's own amax given explicitly is current scaling, bit for bit.
+    own = quantize(x, E4M3, "tensorwise", amax=tensor_amax(x))
+    assert torch.equal(own.data.view(torch.uint8), quantize(x, E4M3, "tensorwise").data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity, amax, match", [
+    ("rowwise", torch.tensor(1.0), "tensorwise"),
+    ("tensorwise", torch.ones(4, 1), "0-d"),
+])  # fmt: skip
+def test_quantize_refuses_an_amax_it_cannot_use(granularity, amax, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(torch.randn(4, 16), E4M3, granularity, amax=amax, name="x")
+
+
+# --------------------------------------------------------------------------------------- layer
+def test_compiled_layer_scales_by_the_history_saturates_and_compiles_twice():
+    """The first compiled call scales by the current amax and records it; the second compiles once
+    more and from then on scales by the largest recorded amax: an input that grows saturates."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    layer = LokaLinear(64, 32, bias=False, kernels=TENSORWISE, forward_scaling="delayed")
+    counter = _compile_counter()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    amaxes = []
+    for step, growth in enumerate((1.0, 1.0, 1.0, 8.0, 1.0)):
+        x = torch.randn(16, 64) * growth
+        prior = layer._amax_history.amax(dim=1)
+        with torch.no_grad():
+            y = compiled(x)
+        if step == 0:  # no history yet: the current amaxes
+            ref = _forward_reference(x, layer.weight.detach(), tensor_amax(x), tensor_amax(layer.weight.detach()))
+        else:
+            ref = _forward_reference(x, layer.weight.detach(), prior[0], prior[1])
+        _fp32_close(y, ref)
+        amaxes.append(float(tensor_amax(x)))
+    assert counter.frame_count == 2  # the seeding call, then the delayed graph; no recompile after
+    history = layer._amax_history
+    assert history.shape == (2, AMAX_HISTORY)
+    assert history[0, :5].tolist() == pytest.approx(amaxes[::-1], rel=0, abs=0)
+    assert torch.equal(history[1, :5], tensor_amax(layer.weight.detach()).expand(5))
+    assert int(layer.nonfinite_events) == 0
+    torch._dynamo.reset()
+
+
+def test_a_grown_input_differs_from_current_scaling_only_by_saturation():
+    """The same step under current and delayed scaling: equal where the input stays within the
+    history's amax, and delayed clips where it grows past it."""
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    base = nn.Linear(64, 32, bias=False)
+    layers = {s: LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling=s) for s in ("current", "delayed")}
+    compiled = {s: torch.compile(layer, backend="inductor", fullgraph=True) for s, layer in layers.items()}
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        for s in compiled:
+            for _ in range(2):  # seed the delayed layer's history with x's amax
+                compiled[s](x)
+        same = {s: compiled[s](x) for s in compiled}
+        grown = x.clone()
+        grown[0] *= 10.0
+        clipped = {s: compiled[s](grown) for s in compiled}
+    torch.testing.assert_close(same["delayed"], same["current"], rtol=0, atol=0)  # history amax == current amax
+    assert not torch.allclose(clipped["delayed"][0], clipped["current"][0], rtol=0.05)
+    torch._dynamo.reset()
+
+
+def test_compiled_delayed_gradients_against_float64():
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    layer = LokaLinear(128, 64, kernels=TENSORWISE, forward_scaling="delayed")
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(32, 128, requires_grad=True)
+        dy = torch.randn(32, 64)
+        layer.zero_grad()
+        compiled(x).backward(dy)
+    w = layer.weight.detach().double()
+    ref_dx, ref_dw = dy.double() @ w, dy.double().t() @ x.detach().double()
+    for got, ref in ((x.grad, ref_dx), (layer.weight.grad, ref_dw)):
+        rel = float((got.double() - ref).norm() / ref.norm())
+        assert rel < 0.1, rel  # e4m3 operands: a few % relative Frobenius error, never a wrong result
+    torch._dynamo.reset()
+
+
+def test_eager_calls_scale_by_the_current_amax_and_record_the_history():
+    torch.manual_seed(4)
+    base = nn.Linear(64, 32)
+    current = LokaLinear.from_linear(base, kernels=TENSORWISE)
+    delayed = LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling="delayed")
+    high_precision = LokaLinear.from_linear(base, forward_scaling="delayed")  # all bf16: history recorded eagerly too
+    for step in range(3):
+        x = torch.randn(8, 64) * (step + 1)
+        with torch.no_grad():
+            assert torch.equal(delayed(x), current(x))
+            high_precision(x)
+        for layer in (delayed, high_precision):
+            assert layer._amax_history[0, 0] == tensor_amax(x)
+    assert delayed._history_seeded and not current._history_seeded
+    assert (current._amax_history == 0).all()  # current layers keep no history
+    assert "_amax_history" not in delayed.state_dict()  # run-time state: checkpoints stay nn.Linear's
+
+
+def test_compiled_nonfinite_input_gives_nan_is_counted_and_keeps_the_history():
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    layer = LokaLinear(64, 32, bias=False, kernels=TENSORWISE, forward_scaling="delayed")
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            compiled(x)
+        before = layer._amax_history.clone()
+        bad = x.clone()
+        bad[2, 7] = float("inf")
+        y = compiled(bad)
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()  # never silently finite
+    assert int(layer.nonfinite_events) == 1
+    assert torch.isfinite(layer._amax_history).all()
+    assert torch.equal(layer._amax_history[:, 0], before[:, 0])  # the newest finite amax repeated
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------- config
+def test_bad_forward_scaling_names_the_field():
+    with pytest.raises(ValueError, match="dispatch.forward_scaling"):
+        DispatchConfig(forward_scaling="lazy")
+    with pytest.raises(ValueError, match="forward_scaling"):
+        LokaLinear(16, 8, forward_scaling="lazy")
+    layer = LokaLinear(16, 8)
+    with pytest.raises(ValueError, match="forward_scaling"):
+        layer.forward_scaling = "Delayed"
+    assert layer.forward_scaling == "current"
+
+
+def test_apply_sets_every_site_and_a_second_apply_changes_it():
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="delayed"))
+    sites = [m for m in model.modules() if isinstance(m, LokaLinear)]
+    assert len(sites) == 2 and all(s.forward_scaling == "delayed" for s in sites)
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise"))
+    assert all(s.forward_scaling == "current" for s in sites)
