@@ -35,7 +35,9 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
   the forward's FP8 ``W^T`` instead of casting the bf16 weight again.
 * ``loka_whole_amax_compile``: ``--plan`` with every tensorwise amax one reduction over the whole
   operand instead of in chunks of a row (``loka_torchrec.fp8.scaling.tensor_amax``): what the
-  chunked order is worth, in one process.
+  chunked order is worth, in one process; ``loka_delayed_whole_amax_compile``,
+  ``loka_delayed_row_amax_compile``: ``loka_delayed_compile`` with the whole-operand and the
+  row-first order (which fuse differently with a cast that no longer waits for the amax).
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
 GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
@@ -79,7 +81,8 @@ RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", 
         "torchao_tensorwise_compile", "torchao_rowwise_compile", "loka_compile", "loka_compile_max_autotune",
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
         "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_delayed_compile", "loka_saved_weight_compile",
-        "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")  # fmt: skip
+        "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight",
+        "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_compile_cudagraphs_saved_weight")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
@@ -87,9 +90,11 @@ PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "sc
 candidate they are restricted to (``None``: the fastest that passes)."""
 FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "loka_fast_accum_fwd_compile": ("fwd",)}
 """Runs whose plan is ``--plan`` with these roles' FP8 GEMMs on their ``_fast_accum`` twins."""
-AMAX_ORDER_RUNS = {"loka_whole_amax_compile": "whole"}
+AMAX_ORDER_RUNS = {"loka_whole_amax_compile": "whole", "loka_delayed_whole_amax_compile": "whole",
+                   "loka_delayed_row_amax_compile": "rows"}  # fmt: skip
 DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
-FORWARD_SCALING_RUNS = {"loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed"}
+FORWARD_SCALING_RUNS = {"loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed",
+                        "loka_delayed_whole_amax_compile": "delayed", "loka_delayed_row_amax_compile": "delayed"}  # fmt: skip
 """Runs whose layers scale their forward operands other than ``loka_compile``'s ``current``."""
 SAVED_WEIGHT_RUNS = ("loka_saved_weight_compile", "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")
 """Runs compiled with parameters not free to save (``torch._functorch.config.treat_parameters_as_free_to_save``
@@ -248,6 +253,9 @@ def main(argv=None) -> int:
     results: Dict[str, Dict] = {}
     for run in args.runs:
         try:
+            # Each run compiles from scratch: the runs share the models' code objects, and their
+            # graphs would otherwise count against one recompile limit (fullgraph=True fails past it).
+            torch._dynamo.reset()
             scaling._AMAX_ORDER = AMAX_ORDER_RUNS.get(run, DEFAULT_AMAX_ORDER)  # read while compiling
             torch._functorch.config.treat_parameters_as_free_to_save = run not in SAVED_WEIGHT_RUNS
             model = make(run, args, device)
