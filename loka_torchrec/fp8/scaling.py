@@ -182,7 +182,8 @@ def quantize(
         amax: tensorwise only: scale from this amax (a 0-d tensor, e.g. the maximum of earlier
             steps' amaxes: *delayed* scaling) instead of ``x``'s own. The cast then needs no
             reduction over ``x`` first, so a compiled step can fuse it into the op that produces
-            ``x``; values of ``x`` beyond ``amax`` saturate to the format's maximum.
+            ``x``; values of ``x`` beyond ``amax`` saturate to the format's maximum. ``nonfinite``
+            then judges that amax: an inf or NaN in ``x`` itself becomes a NaN code.
 
     Returns:
         An :class:`Fp8Tensor` with row-major ``data`` of ``x``'s shape.
