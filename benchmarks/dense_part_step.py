@@ -119,8 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
-    for run in ("loka_compile", "loka_compile_max_autotune", *AMAX_ORDER_RUNS, *FORWARD_SCALING_RUNS, "loka_saved_weight_compile"):
-        if run in args.runs and not (args.plan or args.mode):
+    for run in args.runs:
+        if run.startswith("loka_") and run not in PLAN_VARIANTS and not (args.plan or args.mode):
             p.error(f"--runs {run}: needs --plan (a dispatch_plan.json) or --mode (e.g. all:scaled_mm:rowwise)")
     if any(r in PLAN_VARIANTS for r in args.runs) and not args.plan:
         p.error(f"--runs {', '.join(PLAN_VARIANTS)}: need --plan (a dispatch_plan.json with its evidence)")

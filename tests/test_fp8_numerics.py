@@ -421,7 +421,7 @@ def test_quantize_empty_tensors(granularity, shape):
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_permuted", "tall", "unchunked"])
 @pytest.mark.parametrize("order", scaling.AMAX_ORDERS)
 def test_tensorwise_scale_equals_the_whole_tensor_amax_eagerly_and_compiled(order, layout, bad, monkeypatch):
-    # Every reduction order of the tensorwise amax (in chunks of a row, whole) must give the whole
+    # Every reduction order of the tensorwise amax (in chunks of a row, rows, whole) must give the whole
     # tensor's maximum, bit for bit, in any layout and with inf/NaN, eager and compiled.
     monkeypatch.setattr(scaling, "_AMAX_ORDER", order)
     src = torch.randn(6, 4, 8, 64, dtype=torch.bfloat16) * 3  # (batch, heads, tokens, head dim)

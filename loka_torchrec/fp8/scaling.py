@@ -236,7 +236,7 @@ _AMAX_CHUNK = 256
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` of a 2-D ``x``, reduced in an order that ``torch.compile`` turns into fast kernels.
 
-    The maximum is exact in any order, so both orders equal ``x.abs().amax()`` bit for bit. Inductor
+    The maximum is exact in any order, so every order equals ``x.abs().amax()`` bit for bit. Inductor
     inlines a pointwise producer (a transpose's copy, an add) into the reduction and fuses the
     reduction into a producer that reduces over the same ranges (a norm over blocks of a row).
 
