@@ -25,9 +25,11 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``loka_fast_accum_compile``, ``loka_fast_accum_fwd_compile``: ``--plan`` as it is, with each FP8
   GEMM (or each FP8 forward GEMM) on its recipe's ``_fast_accum`` twin: the speed that fast
   accumulation would add to that plan, whatever its accuracy (a training run measures that).
-* ``loka_delayed_compile``: ``--plan`` with ``forward_scaling="delayed"``: the forward's tensorwise
-  input and weight operands scaled by the amax history, so their casts need no amax pass first
-  (the warm-up's first step records the history; the next one compiles once more).
+* ``loka_current_compile``: ``--plan`` with ``forward_scaling="current"``: every FP8 operand
+  scaled by its own amax, where every other ``loka_`` run takes the library's default
+  (``"delayed"``: the forward's tensorwise input and weight operands scaled by the amax history,
+  so their casts need no amax pass first; the warm-up's first step records the history, the next
+  one compiles once more); ``loka_delayed_compile`` names the delayed one explicitly.
 * ``loka_saved_weight_compile``, ``loka_delayed_saved_weight_compile``,
   ``bf16_compile_cudagraphs_saved_weight``: ``loka_compile``, ``loka_delayed_compile`` and
   ``bf16_compile_cudagraphs`` with parameters not free to save for AOTAutograd's partitioner
@@ -80,7 +82,7 @@ from loka_torchrec.mods import ModsConfig, apply_mods
 RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_nomods_compile_cudagraphs",
         "torchao_tensorwise_compile", "torchao_rowwise_compile", "loka_compile", "loka_compile_max_autotune",
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
-        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_delayed_compile", "loka_saved_weight_compile",
+        "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_current_compile", "loka_delayed_compile", "loka_saved_weight_compile",
         "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight",
         "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_compile_cudagraphs_saved_weight")
@@ -93,9 +95,9 @@ FAST_ACCUM_VARIANTS = {"loka_fast_accum_compile": ("fwd", "dgrad", "wgrad"), "lo
 AMAX_ORDER_RUNS = {"loka_whole_amax_compile": "whole", "loka_delayed_whole_amax_compile": "whole",
                    "loka_delayed_row_amax_compile": "rows"}  # fmt: skip
 DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
-FORWARD_SCALING_RUNS = {"loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed",
+FORWARD_SCALING_RUNS = {"loka_current_compile": "current", "loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed",
                         "loka_delayed_whole_amax_compile": "delayed", "loka_delayed_row_amax_compile": "delayed"}  # fmt: skip
-"""Runs whose layers scale their forward operands other than ``loka_compile``'s ``current``."""
+"""Runs that name their forward scaling; every other run takes ``DispatchConfig``'s default."""
 SAVED_WEIGHT_RUNS = ("loka_saved_weight_compile", "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")
 """Runs compiled with parameters not free to save (``torch._functorch.config.treat_parameters_as_free_to_save``
 off): the partitioner then keeps what the forward computed from a weight (the FP8 ``W^T``) for the
@@ -218,7 +220,7 @@ def make(run: str, args, device) -> nn.Module:
             plan_path = f"{args.out}-{run}-plan.json"
             fast_accum_plan(DispatchPlan.load(args.plan), FAST_ACCUM_VARIANTS[run]).save(plan_path)
         dispatch = DispatchConfig(mode="pinned", plan_path=plan_path) if plan_path else DispatchConfig(mode=args.mode)
-        scaling_mode = FORWARD_SCALING_RUNS.get(run, "current")
+        scaling_mode = FORWARD_SCALING_RUNS.get(run, DispatchConfig().forward_scaling)
         report = loka_torchrec.apply(model, dataclasses.replace(dispatch, compiled=True, forward_scaling=scaling_mode))
         print(f"[dense] {run}: {report.dispatcher.plan.counts()}", flush=True)
     if run.endswith("_max_autotune"):

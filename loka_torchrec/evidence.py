@@ -211,6 +211,12 @@ class EvidenceConsumer:
         """Canonical layer FQN -> the ``nn.Linear``/``LokaLinear`` module Dispatch manages."""
         raise NotImplementedError
 
+    @property
+    def forward_scaling(self) -> str:
+        """How training scales the layers' FP8 input operands, ``"current"`` or ``"delayed"``
+        (by earlier calls' amax); the Probe measures errors so. Default: ``"current"``."""
+        return "current"
+
     def candidates(self, layer: str) -> "Dict[GemmRole, list]":
         """The :class:`KernelChoice` candidates to evaluate for each role of ``layer``."""
         raise NotImplementedError

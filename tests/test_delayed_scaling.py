@@ -5,7 +5,8 @@ its earlier calls (``GemmSite._amax_history``), so the cast needs no reduction o
 first; eagerly it scales by the current amax, as a ``"current"`` layer does, and records the
 history. These tests check the scales it uses (against a float64 GEMM of the operands quantized
 with exactly those scales), the saturation past them, the recompiles, the non-finite handling and
-the configuration that switches it on.
+the configuration (the default; `"current"` switches it off); and that what judges a plan (the Probe's error evidence,
+random evidence, the gradient check) measures the error of those scales.
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ from torch import nn
 import loka_torchrec
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.linear import AMAX_HISTORY, LokaLinear
-from loka_torchrec.evidence import KernelChoice
+from loka_torchrec.dispatch.linear import AMAX_HISTORY, LokaLinear, compiled_scaling
+from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, quantize, tensor_amax
+from loka_torchrec.gemm.candidates import CandidateRun, resolve_candidate
+from loka_torchrec.gemm.measure import DelayedInputAmax, error_samples
+from loka_torchrec.gemm.recipes import recipe_for
+from loka_torchrec.probe.quantify import LayerSnapshot, quantify_errors
+from loka_torchrec.probe.reservoir import RowReservoir
+from loka_torchrec.probe.statistics import TensorStatistics
 
 E4M3 = Fp8Format.E4M3
 TENSORWISE = LayerKernels.uniform(KernelChoice("scaled_mm", "tensorwise"))
@@ -147,7 +154,7 @@ def test_compiled_delayed_gradients_against_float64():
 def test_eager_calls_scale_by_the_current_amax_and_record_the_history():
     torch.manual_seed(4)
     base = nn.Linear(64, 32)
-    current = LokaLinear.from_linear(base, kernels=TENSORWISE)
+    current = LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling="current")
     delayed = LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling="delayed")
     high_precision = LokaLinear.from_linear(base, forward_scaling="delayed")  # all bf16: history recorded eagerly too
     for step in range(3):
@@ -191,13 +198,124 @@ def test_bad_forward_scaling_names_the_field():
     layer = LokaLinear(16, 8)
     with pytest.raises(ValueError, match="forward_scaling"):
         layer.forward_scaling = "Delayed"
-    assert layer.forward_scaling == "current"
+    assert layer.forward_scaling == "delayed"  # the default, unchanged by the refused value
+    assert DispatchConfig().forward_scaling == "delayed"
 
 
 def test_apply_sets_every_site_and_a_second_apply_changes_it():
     model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
-    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="delayed"))
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="current"))
     sites = [m for m in model.modules() if isinstance(m, LokaLinear)]
-    assert len(sites) == 2 and all(s.forward_scaling == "delayed" for s in sites)
+    assert len(sites) == 2 and all(s.forward_scaling == "current" for s in sites)
     loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise"))
-    assert all(s.forward_scaling == "current" for s in sites)
+    assert all(s.forward_scaling == "delayed" for s in sites)
+
+
+# ------------------------------------------------------------------- what judges a delayed plan
+def test_measured_draws_are_scaled_by_the_draws_before_them():
+    """The layer input's operand (fwd ``A``, wgrad ``B`` = ``x^T``) of each draw gets the largest
+    amax of the earlier draws, the first its own; every other operand, and current scaling, none."""
+    draws = [torch.full((2, 4), v) for v in (1.0, 3.0, 2.0, 5.0)]
+    other = torch.ones(3, 4)
+    fwd = DelayedInputAmax(GemmRole.FORWARD, "delayed")
+    assert [float(fwd(x, other)[0]) for x in draws] == [1.0, 1.0, 3.0, 3.0]
+    wgrad = DelayedInputAmax(GemmRole.GRAD_WEIGHT, "delayed")
+    given = [wgrad(other, x.t()) for x in draws]
+    assert [g[0] for g in given] == [None] * 4 and [float(g[1]) for g in given] == [1.0, 1.0, 3.0, 3.0]
+    for role, scaling in ((GemmRole.GRAD_INPUT, "delayed"), (GemmRole.FORWARD, "current")):
+        amaxes = DelayedInputAmax(role, scaling)
+        assert all(amaxes(x, other) == (None, None) for x in draws)
+    with pytest.raises(ValueError, match="forward_scaling"):
+        DelayedInputAmax(GemmRole.FORWARD, "lazy")
+    # Random evidence's error samples, in order: a grown second input saturates under delayed scaling.
+    torch.manual_seed(10)
+    w = torch.randn(16, 64) / 8
+    pairs = [(torch.randn(32, 64), w), (torch.randn(32, 64) * 16, w)]
+    errors = {
+        scaling: error_samples(KernelChoice("scaled_mm", "tensorwise"), GemmRole.FORWARD, pairs, grad_format=E4M3, forward_scaling=scaling)
+        for scaling in ("current", "delayed")
+    }
+    assert errors["delayed"][0] == errors["current"][0] and errors["delayed"][1] > 5 * errors["current"][1], errors
+
+
+def test_a_candidate_given_an_amax_quantizes_as_the_compiled_layer():
+    torch.manual_seed(6)
+    x, w = torch.randn(32, 64), torch.randn(16, 64) / 8
+    amax = torch.tensor(1.5)  # below x's own: the rest saturates, as in a compiled delayed call
+    run = resolve_candidate(KernelChoice("scaled_mm", "tensorwise"), GemmRole.FORWARD, GemmShape(32, 64, 16), "cpu")
+    _fp32_close(run.gemm(x, w, torch.float32, (amax, None)), _forward_reference(x, w, amax, tensor_amax(w)))
+    assert not torch.allclose(run.gemm(x, w, torch.float32, (amax, None)), run.gemm(x, w, torch.float32), rtol=0.05)
+    # A rowwise operand has no tensorwise amax to replace: the given one is ignored.
+    rowwise = resolve_candidate(KernelChoice("scaled_mm", "rowwise"), GemmRole.FORWARD, GemmShape(32, 64, 16), "cpu")
+    assert torch.equal(rowwise.gemm(x, w, torch.float32, (amax, None)), rowwise.gemm(x, w, torch.float32))
+    # Kernels that do not run compiled never run with delayed scales: refused, with the reason.
+    triton = CandidateRun(KernelChoice("triton", "tensorwise"), recipe_for("tensorwise", GemmRole.FORWARD))
+    with pytest.raises(ValueError, match="run compiled"):
+        triton.gemm(x, w, torch.float32, (amax, None))
+
+
+def _growing_input_snapshot() -> LayerSnapshot:
+    """Four batches of a layer's input, the newest 16 times larger than the three before it."""
+    gen = torch.Generator().manual_seed(7)
+    act, reservoir = TensorStatistics(32), RowReservoir(32, 16, capacity=256)
+    for growth in (1.0, 1.0, 1.0, 16.0):
+        x = torch.randn(64, 32, generator=gen) * growth
+        act.update(x)
+        reservoir.offer_inputs(x)
+    return LayerSnapshot("layer", torch.randn(16, 32, generator=gen) / 6, act, None, None, reservoir, 64)
+
+
+def test_probe_errors_under_delayed_scaling_see_an_input_that_grows():
+    """Captured rows, oldest batch first: the grown batch saturates against the earlier ones' amax
+    (a large error that current scaling does not have); Gaussian draws from one distribution do
+    not grow, and delayed scaling changes their error little."""
+    snap = _growing_input_snapshot()
+    tensorwise, rowwise = KernelChoice("scaled_mm", "tensorwise"), KernelChoice("scaled_mm", "rowwise")
+    errors = {
+        scaling: quantify_errors(snap, {GemmRole.FORWARD: [tensorwise, rowwise]}, samples=4, forward_scaling=scaling)
+        for scaling in ("current", "delayed")
+    }
+    current, delayed = (errors[s][(GemmRole.FORWARD, tensorwise)] for s in ("current", "delayed"))
+    # Three chunks at E4M3's error, the grown one mostly saturated.
+    assert current.captured.value < 0.1 and delayed.captured.value > 3 * current.captured.value
+    assert abs(delayed.gaussian.value - current.gaussian.value) <= 0.1 * current.gaussian.value
+    # Rowwise operands are scaled per row in both: the same numbers.
+    assert errors["current"][(GemmRole.FORWARD, rowwise)] == errors["delayed"][(GemmRole.FORWARD, rowwise)]
+
+
+def test_compiled_scaling_scales_eager_calls_by_the_history_and_records_nothing():
+    torch.manual_seed(8)
+    layer = LokaLinear(64, 32, bias=False, kernels=TENSORWISE, forward_scaling="delayed")
+    with torch.no_grad():
+        layer(torch.randn(16, 64))  # an eager call records the history
+        history = layer._amax_history.clone()
+        grown = torch.randn(16, 64) * 8
+        with compiled_scaling([layer]):
+            y = layer(grown)
+        eager = layer(grown)  # outside: current scaling again, and recorded
+    weight = layer.weight.detach()
+    _fp32_close(y, _forward_reference(grown, weight, history[0, 0], history[1, 0]))
+    _fp32_close(eager, _forward_reference(grown, weight, tensor_amax(grown), tensor_amax(weight)))
+    assert torch.equal(layer._amax_history[:, 1:], history[:, :-1])  # one record: the call outside
+    assert not layer._scaled_as_compiled
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_gradient_check_judges_the_scales_training_uses(compiled):
+    """A delayed plan whose histories are far below the checked batch: compiled, the forward
+    saturates and the check sends GEMMs back to bf16; eager training scales by the current amax,
+    and the same plan passes. A check of a compiled model leaves the histories as they were."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    config = DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="delayed", compiled=compiled)
+    report = loka_torchrec.apply(model, config)
+    assert report.dispatcher.forward_scaling == ("delayed" if compiled else "current")
+    with torch.no_grad():
+        model(torch.randn(64, 32) * 0.05)  # the steps so far saw small inputs
+    sites = list(report.dispatcher.managed_layers().values())
+    histories = [site._amax_history.clone() for site in sites]
+    x = torch.randn(64, 32)
+    plan = report.dispatcher.check_gradients(lambda: model(x).square().mean())
+    assert (plan.fp8_gemm_count() < 6) == compiled, plan.table()
+    if compiled:  # the next compiled step's scales are those of the training steps before the check
+        assert all(torch.equal(site._amax_history, h) for site, h in zip(sites, histories))

@@ -159,6 +159,30 @@ def test_replan_at_the_end_of_warmup_with_evidence_for_every_layer_role_and_cand
     assert (fc1_fwd.shape.m, fc1_fwd.shape.k, fc1_fwd.shape.n) == (32, 16, 32)
 
 
+def test_errors_are_measured_with_the_consumers_forward_scaling(tmp_path):
+    """A consumer whose layers scale their input by earlier calls' amax (``forward_scaling``
+    "delayed") gets errors measured so: the second probe step's input, 16 times larger than the
+    first's, saturates in the tensorwise forward's captured rows; rowwise is not affected."""
+
+    class DelayedDispatch(FakeDispatch):
+        forward_scaling = "delayed"
+
+    def grown(step, x):
+        return x * 16 if step == 2 else x  # probe steps: 0 and 2
+
+    evidence = {}
+    for name, consumer_type in (("current", FakeDispatch), ("delayed", DelayedDispatch)):
+        model = _mlp()
+        dispatch = consumer_type({"fc1": model[0]})
+        cb = probe(model, dataclasses.replace(CFG, error_basis="captured"), run_dir=str(tmp_path / name), consumer=dispatch)
+        _train(model, cb, 4, data=grown)
+        cb.close()
+        evidence[name] = {(ev.role, ev.candidate): ev.error.value for ev in dispatch.evidence}
+    fwd_tw, fwd_rw = (GemmRole.FORWARD, SMM_TW), (GemmRole.FORWARD, SMM_RW)
+    assert evidence["delayed"][fwd_tw] > 2 * evidence["current"][fwd_tw], evidence
+    assert evidence["delayed"][fwd_rw] == evidence["current"][fwd_rw]
+
+
 def _shifted(spike_step, kind):
     def data(step, x):
         if step == spike_step:

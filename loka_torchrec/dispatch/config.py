@@ -8,11 +8,11 @@ from typing import Optional, Tuple
 
 from loka_torchrec.evidence import KernelChoice
 from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
 
 __all__ = ["DispatchConfig", "DISPATCH_MODES", "EVIDENCE_SOURCES"]
 
 DISPATCH_MODES = ("policy", "all-bf16", "all", "pinned")
-FORWARD_SCALINGS = ("current", "delayed")
 EVIDENCE_SOURCES = ("auto", "random", "probe")
 
 
@@ -107,7 +107,7 @@ class DispatchConfig:
     min_grad_sqnr_db: float = 17.0
     max_grad_noise_ratio: float = 0.1
     grad_check: bool = True
-    forward_scaling: str = "current"
+    forward_scaling: str = "delayed"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))

@@ -141,6 +141,13 @@ class Dispatcher(EvidenceConsumer):
         return self.config.compiled
 
     @property
+    def forward_scaling(self) -> str:
+        """What scales the forward's FP8 tensorwise input in training (the Probe measures errors
+        with it): ``dispatch.forward_scaling`` where the layers run compiled, else ``"current"``
+        (eager calls scale by the current amax)."""
+        return self.config.forward_scaling if self.config.compiled else "current"
+
+    @property
     def grad_format(self) -> Fp8Format:
         """FP8 format of the gradient operands (``dispatch.grad_format``); the Probe measures with it."""
         return self._grad_format
@@ -236,7 +243,8 @@ class Dispatcher(EvidenceConsumer):
         """
         start = time.perf_counter()
         plan, records = check_plan_gradients(
-            self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db, max_noise_ratio=self.config.max_grad_noise_ratio
+            self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db,
+            max_noise_ratio=self.config.max_grad_noise_ratio, compiled=self.config.compiled,
         )
         plan = self._annotated(self._broadcast(plan))
         seconds = time.perf_counter() - start
@@ -350,6 +358,7 @@ class Dispatcher(EvidenceConsumer):
             grad_format=self._grad_format,
             seed=seed,
             device_time=self.times_in_graphs,
+            forward_scaling=self.forward_scaling,
         )
 
     @property

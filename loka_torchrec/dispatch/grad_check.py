@@ -37,10 +37,16 @@ part of the batch's noise: the second rule keeps such GEMMs in FP8 and the first
 
 A demoted role's reason in the plan names the gradient it damaged and its SQNR. ``loss_fn`` must
 be deterministic (fixed batch, no dropout): every run must see the same model and data.
+
+The check runs the model eagerly. For a model that trains compiled (``compiled=True``) the sites
+scale their forward operands as their compiled calls will
+(:func:`~loka_torchrec.dispatch.linear.compiled_scaling`: delayed scaling by each site's amax
+history, where it is set), so the check judges the scales that training uses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable, Dict, List, Optional, Tuple
@@ -48,6 +54,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.dispatch.linear import compiled_scaling
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, GemmRole
 from loka_torchrec.fp8.error_metrics import noise_and_signal, sqnr_from_sums
@@ -146,6 +153,7 @@ def check_plan_gradients(
     *,
     floor_db: float = DEFAULT_FLOOR_DB,
     max_noise_ratio: float = DEFAULT_MAX_NOISE_RATIO,
+    compiled: bool = False,
 ) -> Tuple[DispatchPlan, List[dict]]:
     """``plan`` with the FP8 roles that make a site's weight gradient fail (module docstring) back in bf16.
 
@@ -158,6 +166,7 @@ def check_plan_gradients(
         floor_db: the SQNR every site's weight gradient must reach against high precision, unless
             the noise rule holds.
         max_noise_ratio: the noise rule's bound (0: no noise rule, the floor alone).
+        compiled: the model trains compiled: its sites scale as compiled calls do (module docstring).
 
     Returns:
         ``(checked_plan, records)``: a record per run of the plan (the worst SQNR and its site, the
@@ -171,31 +180,32 @@ def check_plan_gradients(
         return _assess(_gradients(layers, kernels, loss_fn, halves=max_noise_ratio > 0), reference, floor_db, max_noise_ratio)
 
     try:
-        reference = _gradients(layers, {}, loss_fn, halves=max_noise_ratio > 0)
-        current = dict(planned)
-        worst, where, failing, under = run(current)
-        records.append({"kind": "plan", "worst_db": worst, "site": where, "fp8_roles": _fp8_roles(current), "failing": failing, "under_floor": under})
-        if not failing:
-            return plan, records
-        damage = _solo_damage(layers, current, loss_fn, reference)
-        order = sorted(damage, key=lambda key: damage[key][0])
-        demoted: Dict[Tuple[str, GemmRole], str] = {}  # (site, role) -> the reason written into the plan
-        for name, role in order:
-            alone, hurt = damage[(name, role)]
-            choice = current[name].for_role(role)
-            current[name] = current[name].replace(role, BF16)
-            before, failed = worst, len(failing)
+        with compiled_scaling(layers.values()) if compiled else contextlib.nullcontext():
+            reference = _gradients(layers, {}, loss_fn, halves=max_noise_ratio > 0)
+            current = dict(planned)
             worst, where, failing, under = run(current)
-            noise = f" and the noise rule (FP8 error <= {max_noise_ratio} of the batch noise, not systematic)" if max_noise_ratio > 0 else ""
-            demoted[(name, role)] = (
-                f"gradient check: {choice} in {role.value} alone puts {hurt}'s weight gradient at {alone:.1f} dB "
-                f"vs high precision; the plan's worst was {before:.1f} dB, and {failed} site(s) failed floor {floor_db} dB{noise}"
-            )
-            records.append({"kind": "demote", "layer": name, "role": role.value, "choice": str(choice), "alone_db": alone,
-                            "damaged": hurt, "worst_db_after": worst, "site": where, "failing_after": failing})  # fmt: skip
+            records.append({"kind": "plan", "worst_db": worst, "site": where, "fp8_roles": _fp8_roles(current), "failing": failing, "under_floor": under})
             if not failing:
-                break
-        return _with_demotions(plan, demoted), records
+                return plan, records
+            damage = _solo_damage(layers, current, loss_fn, reference)
+            order = sorted(damage, key=lambda key: damage[key][0])
+            demoted: Dict[Tuple[str, GemmRole], str] = {}  # (site, role) -> the reason written into the plan
+            for name, role in order:
+                alone, hurt = damage[(name, role)]
+                choice = current[name].for_role(role)
+                current[name] = current[name].replace(role, BF16)
+                before, failed = worst, len(failing)
+                worst, where, failing, under = run(current)
+                noise = f" and the noise rule (FP8 error <= {max_noise_ratio} of the batch noise, not systematic)" if max_noise_ratio > 0 else ""
+                demoted[(name, role)] = (
+                    f"gradient check: {choice} in {role.value} alone puts {hurt}'s weight gradient at {alone:.1f} dB "
+                    f"vs high precision; the plan's worst was {before:.1f} dB, and {failed} site(s) failed floor {floor_db} dB{noise}"
+                )
+                records.append({"kind": "demote", "layer": name, "role": role.value, "choice": str(choice), "alone_db": alone,
+                                "damaged": hurt, "worst_db_after": worst, "site": where, "failing_after": failing})  # fmt: skip
+                if not failing:
+                    break
+            return _with_demotions(plan, demoted), records
     finally:
         for name, module in layers.items():
             module.set_kernels(planned.get(name, LayerKernels()))

@@ -65,10 +65,11 @@ CPU, bf16 on CUDA) the layer calls ``torch.nn.functional.linear``: it is then ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +78,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from loka_torchrec.gemm.backends import GemmBackend, get_backend
 from loka_torchrec.gemm.backends.high_precision import high_precision_dtype
-from loka_torchrec.dispatch.config import FORWARD_SCALINGS
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.gemm.recipes import GemmRecipe, OperandSpec, recipe_for
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, Fp8Tensor, Granularity, quantize, tensor_amax
+from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
 
-__all__ = ["AMAX_HISTORY", "GemmSite", "LokaLinear", "compiling"]
+__all__ = ["AMAX_HISTORY", "GemmSite", "LokaLinear", "compiled_scaling", "compiling"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,28 @@ class _OptimizerSteps:
 def compiling() -> bool:
     """Whether the caller is being traced by ``torch.compile`` (a constant while tracing)."""
     return torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def compiled_scaling(sites: Iterable["GemmSite"]) -> Iterator[None]:
+    """Within this context, eager calls of ``sites`` scale their forward operands as their compiled
+    calls do, and leave the amax history as it is.
+
+    For checks that run a compiled model's layers eagerly to judge its numerics (the gradient
+    check): a ``"delayed"`` site with a history scales its tensorwise input and weight by it (the
+    first compiled call of a site without one uses the current amax, and so does this); a
+    ``"current"`` site is unchanged. Nothing is recorded, so a check leaves the next training
+    step's scales as they were.
+    """
+    sites = list(sites)
+    saved = [site._scaled_as_compiled for site in sites]
+    for site in sites:
+        site._scaled_as_compiled = True
+    try:
+        yield
+    finally:
+        for site, before in zip(sites, saved):
+            site._scaled_as_compiled = before
 
 
 # --------------------------------------------------------------------------------------- plan
@@ -541,9 +564,10 @@ class GemmSite(nn.Module):
     input. Values beyond that amax saturate to the format's maximum (an operand that grows from
     one step to the next loses its largest values for that step), and a NaN or inf in the
     operand is counted in ``nonfinite_events`` and gives NaN outputs, as with current scaling.
-    Eager calls always scale by the current amax and record the history (for every layer, FP8
-    or not, so a plan made eagerly starts its compiled steps with a history); compiled calls
-    record it for the layers that use it. A compiled call that finds no history yet scales by
+    Eager calls scale by the current amax and record the history (for every layer, FP8 or not,
+    so a plan made eagerly starts its compiled steps with a history); compiled calls record it
+    for the layers that use it. Eager calls inside :func:`compiled_scaling` (checks of a compiled
+    model's numerics) scale as compiled calls do and record nothing. A compiled call that finds no history yet scales by
     the current amax, records it, and the next call compiles once more. Gradients (``dy``) are
     always scaled by their current amax. The history is run-time state, not in ``state_dict``:
     after a restart the first call records it again.
@@ -557,13 +581,14 @@ class GemmSite(nn.Module):
     fallback_reasons: Dict[GemmRole, str]
 
     def _init_dispatch(
-        self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, forward_scaling: str = "current"
+        self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, forward_scaling: str = "delayed"
     ) -> None:
         # Non-persistent: run-time state, not model state; checkpoints stay nn.Linear's.
         self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         # Row 0: the input's amax per call, row 1: the weight's; column 0 the newest.
         self.register_buffer("_amax_history", torch.zeros(2, AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
         self._history_seeded = False
+        self._scaled_as_compiled = False  # eager calls scale as compiled ones: compiled_scaling()
         self.forward_scaling = forward_scaling
         self._eager = _EagerState()
         self.last_rows = 0
@@ -689,7 +714,7 @@ class GemmSite(nn.Module):
         plan = self._plan
         if rows == 0:
             return F.linear(input, weight, bias)  # nothing to quantize
-        if self.forward_scaling == "delayed" and not compiling():
+        if self.forward_scaling == "delayed" and not compiling() and not self._scaled_as_compiled:
             self._record_amax(input.reshape(rows, self.in_features), weight, (True, True))
         if autocast:
             if plan.all_high_precision:
@@ -713,6 +738,9 @@ class GemmSite(nn.Module):
             observed = self._record_amax(x2d, weight, slots)
             if prior_amax is not None:  # the scales are finite: count the inf/NaN the amax saw
                 self._nonfinite_count.add_((~torch.isfinite(observed)).sum())
+        elif self.forward_scaling == "delayed" and self._scaled_as_compiled and self._history_seeded and any(slots):
+            # An eager call judged as the compiled one: the same scales and quantization ops, no recording.
+            state, prior_amax = None, self._amax_history.amax(dim=1)
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
@@ -813,7 +841,7 @@ class LokaLinear(GemmSite, nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
-        forward_scaling: str = "current",
+        forward_scaling: str = "delayed",
     ) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_dispatch(kernels, grad_format, self.weight.device, forward_scaling)
@@ -826,7 +854,7 @@ class LokaLinear(GemmSite, nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
-        forward_scaling: str = "current",
+        forward_scaling: str = "delayed",
     ) -> "LokaLinear":
         """A ``LokaLinear`` that shares ``linear``'s ``Parameter`` objects (no copy).
 

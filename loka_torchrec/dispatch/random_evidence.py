@@ -44,6 +44,7 @@ def measure_random_evidence(
     grad_format: Fp8Format,
     seed: int = 0,
     device_time: bool = False,
+    forward_scaling: str = "current",
 ) -> List[CandidateEvidence]:
     """Evidence for every layer, role and candidate (see the module docstring).
 
@@ -57,6 +58,9 @@ def measure_random_evidence(
         seed: seeds the random inputs.
         device_time: time as CUDA-graph replays (``dispatch.compiled``; see
             :func:`~loka_torchrec.gemm.measure.time_ms`).
+        forward_scaling: how training scales the layer input's FP8 operand (``"delayed"``: each
+            error sample by the largest amax of the samples before it;
+            :class:`~loka_torchrec.gemm.measure.DelayedInputAmax`).
     """
     generator = torch.Generator().manual_seed(seed)
     evidence: List[CandidateEvidence] = []
@@ -83,7 +87,7 @@ def measure_random_evidence(
             for choice in fp8_choices:
                 note = ""
                 try:
-                    error = mean_interval(error_samples(choice, role, pairs, grad_format=grad_format))
+                    error = mean_interval(error_samples(choice, role, pairs, grad_format=grad_format, forward_scaling=forward_scaling))
                     timing = time_ms(
                         lambda: run_role_gemm(choice, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype),
                         reps=reps, device=device, device_time=device_time,

@@ -227,6 +227,11 @@ def quantize(
     return Fp8Tensor(data, scale.reciprocal().float(), fmt, granularity, (br, bk))
 
 
+FORWARD_SCALINGS = ("current", "delayed")
+"""What scales a layer's forward FP8 operands: each tensor's own amax, or the largest of earlier
+calls' amaxes (``quantize(..., amax=)``); a ``LokaLinear`` setting, named here so that every part
+that measures or runs the forward agrees on the names."""
+
 AMAX_ORDERS = ("chunks", "rows", "whole")
 _AMAX_ORDER = "chunks"
 """How :func:`tensor_amax` orders its reduction (one of ``AMAX_ORDERS``; a benchmark compares them)."""

@@ -3,13 +3,14 @@
 A candidate whose backend needs aligned dims (``torch._scaled_mm`` on CUDA: multiples of 16) runs
 the way ``LokaLinear`` runs it in training: both operands zero-padded to the alignment (zeros add
 nothing to a dot product and change no amax, so the result is exact), the output cut back to
-``(M, N)``.
+``(M, N)``. An operand can be scaled by a given amax instead of its own, as a compiled layer with
+delayed scaling scales it (:meth:`CandidateRun.gemm`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.recipes import GemmRecipe, recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
-from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.fp8 import Fp8Format, Granularity, quantize
 
 __all__ = ["CandidateRun", "resolve_candidate"]
 
@@ -36,15 +37,40 @@ class CandidateRun:
     recipe: Optional[GemmRecipe]
     align: int = 1
 
-    def gemm(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``A (M, K) @ B (N, K)^T`` through the candidate, quantization (and padding) included."""
+    def gemm(
+        self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+        amax: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    ) -> torch.Tensor:  # fmt: skip
+        """``A (M, K) @ B (N, K)^T`` through the candidate, quantization (and padding) included.
+
+        ``amax``: for ``A`` and ``B``, ``None`` (scaled by its own amax) or a 0-d amax that scales
+        it instead (delayed scaling), where the recipe quantizes that operand tensorwise; it is
+        quantized then as a compiled ``LokaLinear`` quantizes it (:func:`loka_torchrec.fp8.quantize`
+        with ``amax``), so only backends that run compiled take one (``ValueError`` otherwise).
+        """
         m, n = a.shape[0], b.shape[0]
         if self.align > 1:
             m_pad, k_pad, n_pad = (-d % self.align for d in (m, a.shape[1], n))
             if m_pad or k_pad or n_pad:
                 a = F.pad(a, (0, k_pad, 0, m_pad))
                 b = F.pad(b, (0, k_pad, 0, n_pad))
-        out = get_backend(self.choice.backend).gemm(a, b, self.recipe, out_dtype)
+        backend = get_backend(self.choice.backend)
+        given = [
+            given_amax if self.recipe is not None and getattr(self.recipe, side).granularity == Granularity.TENSORWISE else None
+            for side, given_amax in zip("ab", amax)
+        ]
+        if given == [None, None]:
+            out = backend.gemm(a, b, self.recipe, out_dtype)
+        else:
+            problem = backend.compile_reason(self.choice.recipe)
+            if problem is not None:
+                raise ValueError(f"{self.choice}: a given amax (delayed scaling) is for kernels that run compiled; {problem}")
+            ops = [
+                backend.quantize(t, spec, name=name) if given_amax is None else
+                quantize(t, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, nonfinite="propagate", name=name, amax=given_amax)
+                for t, spec, name, given_amax in ((a, self.recipe.a, "A", given[0]), (b, self.recipe.b, "B", given[1]))
+            ]  # fmt: skip
+            out = backend.mm(ops[0], ops[1], self.recipe, out_dtype)
         return out[:m, :n] if out.shape != (m, n) else out
 
 

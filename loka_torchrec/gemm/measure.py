@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import time
 import logging
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.gemm.candidates import resolve_candidate
-from loka_torchrec.fp8 import Fp8Format, mere
+from loka_torchrec.fp8 import Fp8Format, mere, tensor_amax
+from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
 from loka_torchrec.gemm.intervals import iqr_interval
 
-__all__ = ["call_times_ms", "excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
+__all__ = ["DelayedInputAmax", "call_times_ms", "excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,42 @@ def role_operands(role: GemmRole, x: torch.Tensor, weight: torch.Tensor, grad_ou
     return grad_out.t(), x.t()
 
 
+class DelayedInputAmax:
+    """The amaxes that scale successive draws of one role's operands as training scales them.
+
+    Under ``"current"`` forward scaling every operand is scaled by its own amax: ``(None, None)``.
+    Under ``"delayed"`` (a compiled ``LokaLinear``) the operand that is the layer's input, ``x``
+    (the forward's ``A``) or ``x^T`` (grad-weight's ``B``), is scaled by the largest amax of the
+    draws before it, as a compiled call is by the calls before it, so a draw whose input is
+    larger than all earlier ones saturates as a growing input does in training; the first draw
+    (a run's first call) uses its own. The other operands keep their own amax: the weight's
+    history is itself within one optimizer step's change, and gradients are always scaled by
+    their current amax.
+    """
+
+    _INPUT_OPERAND = {GemmRole.FORWARD: 0, GemmRole.GRAD_WEIGHT: 1}
+
+    def __init__(self, role: GemmRole, forward_scaling: str) -> None:
+        if forward_scaling not in FORWARD_SCALINGS:
+            raise ValueError(f"forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {forward_scaling!r}")
+        self._slot = self._INPUT_OPERAND.get(GemmRole(role)) if forward_scaling == "delayed" else None
+        self._largest: Optional[torch.Tensor] = None
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The amaxes for the next draw ``(A, B)`` (``None``: its own), and that draw recorded."""
+        if self._slot is None:
+            return None, None
+        own = tensor_amax((a, b)[self._slot].detach()).float()
+        given = own if self._largest is None else self._largest
+        self._largest = own if self._largest is None else torch.fmax(self._largest, own)
+        return (given, None) if self._slot == 0 else (None, given)
+
+
 def run_role_gemm(
-    choice: KernelChoice, role: GemmRole, a: torch.Tensor, b: torch.Tensor, *, grad_format: Fp8Format, out_dtype=torch.float32
-) -> torch.Tensor:
-    """``A @ B^T`` through ``choice``, quantization included.
+    choice: KernelChoice, role: GemmRole, a: torch.Tensor, b: torch.Tensor, *, grad_format: Fp8Format, out_dtype=torch.float32,
+    amax: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+) -> torch.Tensor:  # fmt: skip
+    """``A @ B^T`` through ``choice``, quantization included (``amax``: see :meth:`CandidateRun.gemm`).
 
     As in ``LokaLinear``, the operands are zero-padded to the backend's alignment (16 for
     ``torch._scaled_mm`` on CUDA) and the result cropped: the numbers are those of the GEMM
@@ -51,7 +84,7 @@ def run_role_gemm(
     run = resolve_candidate(choice, role, shape, a.device, grad_format=grad_format)
     if isinstance(run, str):
         raise ValueError(f"{choice} cannot run {GemmRole(role).value} GEMM {shape} on {a.device}: {run}")
-    return run.gemm(a, b, out_dtype)
+    return run.gemm(a, b, out_dtype, amax)
 
 
 def excluded_note(exc: BaseException) -> str:
@@ -61,13 +94,15 @@ def excluded_note(exc: BaseException) -> str:
 
 
 def error_samples(
-    choice: KernelChoice, role: GemmRole, pairs: Sequence, *, grad_format: Fp8Format
+    choice: KernelChoice, role: GemmRole, pairs: Sequence, *, grad_format: Fp8Format, forward_scaling: str = "current"
 ) -> List[float]:
-    """MERE of ``choice`` against a float64 reference for each ``(A, B)`` pair."""
+    """MERE of ``choice`` against a float64 reference for each ``(A, B)`` pair, in order, scaled
+    as ``forward_scaling`` scales training's operands (:class:`DelayedInputAmax`)."""
     out = []
+    amaxes = DelayedInputAmax(role, forward_scaling)
     for a, b in pairs:
         ref = a.double() @ b.double().t()
-        got = run_role_gemm(choice, role, a, b, grad_format=grad_format)
+        got = run_role_gemm(choice, role, a, b, grad_format=grad_format, amax=amaxes(a, b))
         out.append(mere(got, ref))
     return out
 

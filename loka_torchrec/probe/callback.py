@@ -539,6 +539,7 @@ class ProbeCallback:
                     mine[name] = evaluate_layer(
                         snap, self._candidates(name), config=self.config, speed_cache=self._speed_cache,
                         seed=self.config.seed, seconds=parts,
+                        forward_scaling=getattr(self.consumer, "forward_scaling", "current"),
                     )
                 self.seconds["evaluate_error"] += parts.get("error", 0.0)
                 self.seconds["evaluate_speed"] += parts.get("speed", 0.0)

@@ -44,6 +44,7 @@ def evaluate_layer(
     speed_cache: SpeedCache,
     seed: int = 0,
     seconds: Optional[Dict[str, float]] = None,
+    forward_scaling: str = "current",
 ) -> Tuple[List[CandidateEvidence], List[Dict[str, Any]]]:
     """Evidence for every candidate of every role of one layer, and the detail records for the log.
 
@@ -56,6 +57,8 @@ def evaluate_layer(
         seed: base seed of the Gaussian draws.
         seconds: if given, host seconds spent measuring errors and timing candidates are added to
             its ``"error"`` and ``"speed"`` entries (both end in a device synchronization).
+        forward_scaling: how training scales the layer's FP8 input (the consumer's
+            ``forward_scaling``); the errors are measured so (:func:`quantify_errors`).
 
     Returns:
         ``(evidence, details)``: one :class:`CandidateEvidence` per (role, candidate), and per
@@ -73,6 +76,7 @@ def evaluate_layer(
         seed=seed,
         dtype=dtype,
         grad_format=speed_cache.grad_format,
+        forward_scaling=forward_scaling,
     )
     t1 = time.perf_counter()
     timed_rows = draw_rows(snap.rows, max_rows)

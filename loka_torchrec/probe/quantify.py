@@ -33,6 +33,12 @@ that difference, FP8 adds noise of the kind SGD already sees (a ratio ``q`` is a
 batch ``1 + q`` times smaller). A grad-weight GEMM whose output cancels (a small sum of large
 terms) can have a low SQNR against its own reference and still a small ratio.
 
+Where training scales the layer's input by earlier calls' amax (``forward_scaling="delayed"``, a
+compiled ``LokaLinear``), so are the draws: the input's operand of each draw by the largest amax
+of the draws before it in the same measurement (captured chunks oldest batch first), so that an
+input larger than all before it saturates here as in training
+(:class:`~loka_torchrec.gemm.measure.DelayedInputAmax`).
+
 Each draw's output is compared with a high-precision reference of the same operands (float64
 on the CPU, float32 with TF32 off on CUDA) by MERE and SQNR; the draws' mean comes with a
 Student-t 95% interval (:func:`~loka_torchrec.gemm.intervals.t_interval`).
@@ -47,7 +53,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from loka_torchrec.gemm.measure import role_operands
+from loka_torchrec.gemm.measure import DelayedInputAmax, role_operands
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.fp8.error_metrics import mere_tensor, noise_and_signal, sqnr_from_sums
@@ -271,9 +277,10 @@ def sampling_noise_power(x: torch.Tensor, dy: torch.Tensor, rows: int) -> float:
 
 
 def _measure(
-    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype
+    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype, amaxes: DelayedInputAmax
 ) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
-    """Per candidate and draw: MERE, SQNR (dB) and the error's power ``|out - ref|_F^2``; and the failures."""
+    """Per candidate and draw: MERE, SQNR (dB) and the error's power ``|out - ref|_F^2``; and the
+    failures. ``amaxes`` gives each draw's scaling amaxes (a fresh one per measurement)."""
     # Metrics stay on the device until the end: one host synchronization per call, not per draw.
     pending: Dict[KernelChoice, List[torch.Tensor]] = {r.choice: [] for r in runs}
     failures: Dict[KernelChoice, str] = {}
@@ -283,12 +290,13 @@ def _measure(
         a_in = a.to(dtype).contiguous()
         b_in = b.to(dtype).contiguous()
         ref = reference_gemm(a_in, b_in)
+        amax = amaxes(a_in, b_in)
         for run in runs:
             c = run.choice
             if c in failures:
                 continue
             try:
-                out = run.gemm(a_in, b_in, dtype)
+                out = run.gemm(a_in, b_in, dtype, amax)
             except Exception as exc:  # a kernel that fails at this shape is an unavailable candidate, with its reason
                 failures[c] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -337,6 +345,7 @@ def quantify_errors(
     seed: int = 0,
     dtype: Optional[torch.dtype] = None,
     grad_format: "Fp8Format | str" = Fp8Format.E4M3,
+    forward_scaling: str = "current",
 ) -> Dict[Tuple[GemmRole, KernelChoice], CandidateError]:
     """MERE and SQNR of every candidate for every role of one layer (see the module docstring).
 
@@ -348,6 +357,8 @@ def quantify_errors(
         seed: base seed of the draws (the same seed gives the same draws).
         dtype: the dtype the candidates receive their operands in (default: the weight's).
         grad_format: FP8 format of the gradient operands (as Dispatch's ``grad_format``).
+        forward_scaling: ``"current"``, or ``"delayed"``: the input's operand scaled by earlier
+            draws' amax (module docstring).
 
     Returns:
         ``{(role, candidate): CandidateError}``; roles without gradient statistics get an
@@ -387,14 +398,20 @@ def quantify_errors(
                 runnable.append(run)
         if not runnable:
             continue
-        g_mere, g_sqnr, _, failures = _measure(_gaussian_operands(snap, models, role, rows, samples, seed), runnable, dtype)
+        def scales() -> DelayedInputAmax:
+            return DelayedInputAmax(role, forward_scaling)
+
+        g_mere, g_sqnr, _, failures = _measure(_gaussian_operands(snap, models, role, rows, samples, seed), runnable, dtype, scales())
         wm_mere: Dict[KernelChoice, List[float]] = {}
         if role != GemmRole.GRAD_WEIGHT and snap.weight_stats is not None and snap.weight_stats.updates:
             if weight_draws is None:
                 weight_draws = _weight_draws(snap, max(2, samples // 4), seed, device)
-            wm_mere, _, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype)
+            wm_mere, _, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype, scales())
         draws = _captured_draws(snap, role, rows, samples)
-        c_mere, c_sqnr, c_noise, _ = _measure(iter(draws.operands), runnable, dtype)
+        if forward_scaling == "delayed":  # in training order: each chunk scaled by the batches before it
+            draws.operands.reverse()
+            draws.batch.reverse()
+        c_mere, c_sqnr, c_noise, _ = _measure(iter(draws.operands), runnable, dtype, scales())
         noise_floors: List[float] = []  # per captured chunk: its batch's sampling noise
         if role == GemmRole.GRAD_WEIGHT and draws.operands:
             # The candidates saw the rows rounded to the model's dtype: so does the sampling noise.
