@@ -203,12 +203,19 @@ def test_bad_forward_scaling_names_the_field():
 
 
 def test_apply_sets_every_site_and_a_second_apply_changes_it():
+    """Sites of layers that run compiled take ``forward_scaling``; eager layers are ``current``
+    (they would scale by the current amax anyway, and keep no history)."""
     model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
-    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="current"))
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="current", compiled=True))
     sites = [m for m in model.modules() if isinstance(m, LokaLinear)]
     assert len(sites) == 2 and all(s.forward_scaling == "current" for s in sites)
-    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise"))
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", compiled=True))
     assert all(s.forward_scaling == "delayed" for s in sites)
+    report = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise"))  # eager
+    assert all(s.forward_scaling == "current" for s in sites) and report.dispatcher.forward_scaling == "current"
+    with torch.no_grad():
+        model(torch.randn(4, 32))
+    assert all((s._amax_history == 0).all() for s in sites)  # nothing recorded eagerly
 
 
 # ------------------------------------------------------------------- what judges a delayed plan
@@ -310,6 +317,8 @@ def test_the_gradient_check_judges_the_scales_training_uses(compiled):
     config = DispatchConfig(mode="all:scaled_mm:tensorwise", forward_scaling="delayed", compiled=compiled)
     report = loka_torchrec.apply(model, config)
     assert report.dispatcher.forward_scaling == ("delayed" if compiled else "current")
+    for site in report.dispatcher.managed_layers().values():
+        site.forward_scaling = "delayed"  # as a delayed site of an eager model: the check still judges current scales
     with torch.no_grad():
         model(torch.randn(64, 32) * 0.05)  # the steps so far saw small inputs
     sites = list(report.dispatcher.managed_layers().values())

@@ -79,10 +79,12 @@ class DispatchConfig:
             grad-input and grad-weight prefer the forward's tensorwise backend where it passes
             the gates (its quantizations are shared: :func:`~loka_torchrec.dispatch.policy.share_quantizations`).
         forward_scaling: what scales the forward's FP8 tensorwise operands (the layer input and
-            the weight) in compiled steps: ``"current"`` (each tensor's own amax: the compiled
-            step reads it twice, amax then cast) or ``"delayed"`` (the largest amax of the
-            layer's last 16 calls: the cast is fused into one pass, and values beyond that amax
-            saturate). Gradients always use their current amax. See
+            the weight) where the layers run compiled (``compiled``; eager layers scale by the
+            current amax): ``"delayed"`` (the default: the largest amax of the layer's last 16
+            calls, so the cast is fused into one pass, and values beyond that amax saturate) or
+            ``"current"`` (each tensor's own amax: the compiled step reads it twice, amax then
+            cast). Gradients always use their current amax. The Probe's error evidence and the
+            gradient check measure the scaling the layers use. See
             :class:`~loka_torchrec.dispatch.linear.GemmSite`.
     """
 
@@ -160,6 +162,13 @@ class DispatchConfig:
             raise ValueError(f"dispatch.max_grad_noise_ratio: expected a finite number >= 0, got {ratio!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")
+
+    @property
+    def site_forward_scaling(self) -> str:
+        """The scaling Dispatch gives its sites: ``forward_scaling`` where the layers run compiled
+        (``compiled``), else ``"current"``: an eager call scales by the current amax either way,
+        and a ``"current"`` site keeps no amax history (two reductions a call that nothing reads)."""
+        return self.forward_scaling if self.compiled else "current"
 
     @property
     def static_choice(self) -> Optional[KernelChoice]:

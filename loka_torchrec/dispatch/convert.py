@@ -124,7 +124,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
                 continue
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            new = LokaLinear.from_linear(module, grad_format=grad_format, forward_scaling=config.forward_scaling)
+            new = LokaLinear.from_linear(module, grad_format=grad_format, forward_scaling=config.site_forward_scaling)
             setattr(parent, child, new)
             layers[name] = new
             report.converted.append((name, module.in_features, module.out_features))
@@ -163,7 +163,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
                     except (OSError, TypeError):
                         layout = "linear"  # no source to read: the first call reorients the site if needed
                 site = ParameterSite(
-                    holder, key, layout=layout, grad_format=grad_format, forward_scaling=config.forward_scaling
+                    holder, key, layout=layout, grad_format=grad_format, forward_scaling=config.site_forward_scaling
                 )
                 site.path = path
             reason = _selected(pname, site, config)
@@ -188,5 +188,5 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
             scope_module(module, sites)
             report.scopes.append(name)
     for site in layers.values():  # an earlier apply's sites take this config's scaling too
-        site.forward_scaling = config.forward_scaling
+        site.forward_scaling = config.site_forward_scaling
     return layers, report

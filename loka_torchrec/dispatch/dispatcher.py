@@ -145,7 +145,7 @@ class Dispatcher(EvidenceConsumer):
         """What scales the forward's FP8 tensorwise input in training (the Probe measures errors
         with it): ``dispatch.forward_scaling`` where the layers run compiled, else ``"current"``
         (eager calls scale by the current amax)."""
-        return self.config.forward_scaling if self.config.compiled else "current"
+        return self.config.site_forward_scaling
 
     @property
     def grad_format(self) -> Fp8Format:

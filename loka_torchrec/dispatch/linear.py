@@ -567,10 +567,11 @@ class GemmSite(nn.Module):
     Eager calls scale by the current amax and record the history (for every layer, FP8 or not,
     so a plan made eagerly starts its compiled steps with a history); compiled calls record it
     for the layers that use it. Eager calls inside :func:`compiled_scaling` (checks of a compiled
-    model's numerics) scale as compiled calls do and record nothing. A compiled call that finds no history yet scales by
-    the current amax, records it, and the next call compiles once more. Gradients (``dy``) are
-    always scaled by their current amax. The history is run-time state, not in ``state_dict``:
-    after a restart the first call records it again.
+    model's numerics) scale as compiled calls do and record nothing. A compiled call that finds
+    no history yet scales by the current amax, records it, and the next call compiles once more.
+    Gradients (``dy``) are always scaled by their current amax. The history is run-time state,
+    not in ``state_dict``: after a restart the first call records it again. ``"delayed"`` is the
+    default; Dispatch gives it to layers that run compiled (``DispatchConfig.site_forward_scaling``).
     """
 
     _nonfinite_count: torch.Tensor

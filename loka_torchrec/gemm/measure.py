@@ -47,9 +47,9 @@ class DelayedInputAmax:
     (the forward's ``A``) or ``x^T`` (grad-weight's ``B``), is scaled by the largest amax of the
     draws before it, as a compiled call is by the calls before it, so a draw whose input is
     larger than all earlier ones saturates as a growing input does in training; the first draw
-    (a run's first call) uses its own. The other operands keep their own amax: the weight's
-    history is itself within one optimizer step's change, and gradients are always scaled by
-    their current amax.
+    (a run's first call) uses its own. The other operands keep their own amax: a weight changes
+    little from one step to the next, so its own amax stands for its history, and gradients are
+    always scaled by their current amax.
     """
 
     _INPUT_OPERAND = {GemmRole.FORWARD: 0, GemmRole.GRAD_WEIGHT: 1}
