@@ -4,9 +4,9 @@ Compiled, a delayed layer scales its tensorwise input and weight operands by the
 its earlier calls (``GemmSite._amax_history``), so the cast needs no reduction over the operand
 first; eagerly it scales by the current amax, as a ``"current"`` layer does, and records the
 history. These tests check the scales it uses (against a float64 GEMM of the operands quantized
-with exactly those scales), the saturation past them, the recompiles, the non-finite handling and
-the configuration (the default; `"current"` switches it off); and that what judges a plan (the Probe's error evidence,
-random evidence, the gradient check) measures the error of those scales.
+with exactly those scales), the saturation past them, the recompiles, the non-finite handling, the
+configuration (Dispatch's default for layers that run compiled), and that what judges a plan (the
+Probe's error evidence, random evidence, the gradient check) measures the error of those scales.
 """
 
 from __future__ import annotations
@@ -198,8 +198,8 @@ def test_bad_forward_scaling_names_the_field():
     layer = LokaLinear(16, 8)
     with pytest.raises(ValueError, match="forward_scaling"):
         layer.forward_scaling = "Delayed"
-    assert layer.forward_scaling == "delayed"  # the default, unchanged by the refused value
-    assert DispatchConfig().forward_scaling == "delayed"
+    assert layer.forward_scaling == "current"  # a layer's own default, unchanged by the refused value
+    assert DispatchConfig().forward_scaling == "delayed"  # what Dispatch gives layers that run compiled
 
 
 def test_apply_sets_every_site_and_a_second_apply_changes_it():

@@ -570,8 +570,9 @@ class GemmSite(nn.Module):
     model's numerics) scale as compiled calls do and record nothing. A compiled call that finds
     no history yet scales by the current amax, records it, and the next call compiles once more.
     Gradients (``dy``) are always scaled by their current amax. The history is run-time state,
-    not in ``state_dict``: after a restart the first call records it again. ``"delayed"`` is the
-    default; Dispatch gives it to layers that run compiled (``DispatchConfig.site_forward_scaling``).
+    not in ``state_dict``: after a restart the first call records it again. A layer built directly
+    is ``"current"`` unless told; Dispatch gives its sites ``DispatchConfig.forward_scaling``
+    (default ``"delayed"``) where they run compiled (``DispatchConfig.site_forward_scaling``).
     """
 
     _nonfinite_count: torch.Tensor
@@ -582,7 +583,7 @@ class GemmSite(nn.Module):
     fallback_reasons: Dict[GemmRole, str]
 
     def _init_dispatch(
-        self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, forward_scaling: str = "delayed"
+        self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, forward_scaling: str = "current"
     ) -> None:
         # Non-persistent: run-time state, not model state; checkpoints stay nn.Linear's.
         self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
@@ -806,8 +807,8 @@ class LokaLinear(GemmSite, nn.Linear):
         in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
         kernels: backend and recipe per GEMM role; default all high precision.
         grad_format: FP8 format of the gradient operand (``A`` of ``dgrad`` and ``wgrad``).
-        forward_scaling: ``"current"`` or ``"delayed"`` (compiled): what scales the forward's
-            FP8 operands, see :class:`GemmSite`.
+        forward_scaling: ``"current"`` (default) or ``"delayed"`` (compiled): what scales the
+            forward's FP8 operands, see :class:`GemmSite`.
 
     Attributes:
         last_rows: rows (product of the leading dims) of the last eager forward input; a Python int.
@@ -842,7 +843,7 @@ class LokaLinear(GemmSite, nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
-        forward_scaling: str = "delayed",
+        forward_scaling: str = "current",
     ) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_dispatch(kernels, grad_format, self.weight.device, forward_scaling)
@@ -855,7 +856,7 @@ class LokaLinear(GemmSite, nn.Linear):
         *,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
-        forward_scaling: str = "delayed",
+        forward_scaling: str = "current",
     ) -> "LokaLinear":
         """A ``LokaLinear`` that shares ``linear``'s ``Parameter`` objects (no copy).
 

@@ -115,7 +115,7 @@ class ParameterSite(GemmSite):
         layout: str = LINEAR,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
-        forward_scaling: str = "delayed",
+        forward_scaling: str = "current",
     ) -> None:
         super().__init__()
         if layout not in (LINEAR, MATMUL):
