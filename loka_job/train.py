@@ -141,6 +141,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     if loka:
         lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
         lines.append(f"dispatch plan    {loka['plan_file']}")
+        if loka.get("forward_scaling"):
+            lines.append(f"FP8 scaling      forward inputs and weights: {loka['forward_scaling']}; gradients: current")
         if loka.get("comms"):
             lines.append(f"embedding comms  {loka['comms']}")
         checks = loka.get("layer_checks") or []

@@ -245,6 +245,8 @@ def test_step_end_ends_the_step_for_cuda_graphs(mode, marks, monkeypatch, tmp_pa
     config = loka_torchrec.LokaConfig.from_dict({"enabled": True, "probe": {"enabled": False}})
     loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), compile=mode, device="cpu")
     assert loka.cuda_graphs == (mode == "reduce-overhead")
+    # What the job prints says how the compiled layers scale their FP8 forward operands.
+    assert ("torch.compile: over_arch; FP8 forward operands: delayed scaling" in str(loka)) == (mode != "none")
     loka.step_end(1)
     loka.step_end(2)
     assert len(calls) == marks

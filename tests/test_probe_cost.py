@@ -79,11 +79,12 @@ def test_the_printed_run_summary_reports_the_layer_check_and_the_probe_cost():
         "steps": 300, "steps_this_run": 300, "world_size": 1, "device": "cpu", "median_step_ms": 8.0, "qps": 1.0,
         "train_ne": 0.9, "train_auc": 0.7, "eval_ne": 0.9, "eval_auc": 0.7, "run_dir": "/tmp/run",
         "loka": {"converted_layers": 2, "plan": "0/6 GEMMs in FP8", "plan_file": "/tmp/run/dispatch_plan.json",
-                 "layer_checks": [{"kept_fp8": False}, {"kept_fp8": True}]},
+                 "layer_checks": [{"kept_fp8": False}, {"kept_fp8": True}], "forward_scaling": "delayed"},
         "probe_cost": probe_cost(_times(config, 300), config, horizon_steps=10_000),
     }  # fmt: skip
     text = format_summary(summary)
     assert "kept FP8 in 1 of 2 planned FP8 layers" in text
+    assert "FP8 scaling      forward inputs and weights: delayed; gradients: current" in text
     cost = summary["probe_cost"]
     assert f"{100 * cost['measured_share']:.2f}% of this run's step time" in text
     assert f"projected {100 * cost['projected_share']:.2f}% of a 10,000-step run, monitoring every 50 steps" in text

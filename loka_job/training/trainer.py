@@ -745,6 +745,7 @@ class Trainer:
             "never_ran": dict(plan.never_ran),  # converted sites that did not run (not counted above)
             "coverage": dict(plan.coverage),  # share of linear multiply-adds per row that Dispatch manages
             "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),
+            "forward_scaling": self.loka.dispatcher.forward_scaling,  # what scales the FP8 forward operands
             "fallen_back": self.loka.dispatcher.fallen_back,
             "step_guard": self.loka.dispatcher.step_guard_reason,
             # What the checks after planning saw (rank 0 records them): layer timings, guard verdicts.
