@@ -734,15 +734,14 @@ class GemmSite(nn.Module):
         state = None if compiling() else self._eager
         prior_amax = None
         slots = _delayed_operands(plan)
-        if self.forward_scaling == "delayed" and compiling() and any(slots):
+        if self.forward_scaling == "delayed" and any(slots) and (compiling() or self._scaled_as_compiled):
             if self._history_seeded:
-                prior_amax = self._amax_history.amax(dim=1)
-            observed = self._record_amax(x2d, weight, slots)
-            if prior_amax is not None:  # the scales are finite: count the inf/NaN the amax saw
-                self._nonfinite_count.add_((~torch.isfinite(observed)).sum())
-        elif self.forward_scaling == "delayed" and self._scaled_as_compiled and self._history_seeded and any(slots):
-            # An eager call judged as the compiled one: the same scales and quantization ops, no recording.
-            state, prior_amax = None, self._amax_history.amax(dim=1)
+                # Eagerly (compiled_scaling) too: the compiled quantization ops with these scales.
+                state, prior_amax = None, self._amax_history.amax(dim=1)
+            if compiling():  # an eager call judged as the compiled one records nothing
+                observed = self._record_amax(x2d, weight, slots)
+                if prior_amax is not None:  # the scales are finite: count the inf/NaN the amax saw
+                    self._nonfinite_count.add_((~torch.isfinite(observed)).sum())
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
