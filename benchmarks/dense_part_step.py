@@ -40,9 +40,6 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
   chunked order is worth, in one process; ``loka_delayed_whole_amax_compile``,
   ``loka_delayed_row_amax_compile``: ``loka_delayed_compile`` with the whole-operand and the
   row-first order (which fuse differently with a cast that no longer waits for the amax).
-* ``loka_flat_cast_compile``: ``--plan`` with each delayed cast reading its operand as a flat
-  ``(rows, K)`` tensor instead of in the chunks that its recorded amax reads
-  (``loka_torchrec.fp8.scaling._cast_as_amax_reads``): what reading both alike is worth.
 
 Each run is also profiled over a few steps: the device time per step by kernel category (bf16
 GEMMs, FP8 GEMMs, FP8 quantization, other) and its largest kernels, to show where its time goes.
@@ -87,7 +84,7 @@ RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", 
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
         "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_current_compile", "loka_delayed_compile", "loka_saved_weight_compile",
         "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight",
-        "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile", "loka_flat_cast_compile")  # fmt: skip
+        "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_compile_cudagraphs_saved_weight")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
@@ -101,9 +98,6 @@ DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
 FORWARD_SCALING_RUNS = {"loka_current_compile": "current", "loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed",
                         "loka_delayed_whole_amax_compile": "delayed", "loka_delayed_row_amax_compile": "delayed"}  # fmt: skip
 """Runs that name their forward scaling; every other run takes ``DispatchConfig``'s default."""
-FLAT_CAST_RUNS = ("loka_flat_cast_compile",)
-"""Runs whose delayed casts read their operand flat, not in the chunks its amax reads
-(``loka_torchrec.fp8.scaling._cast_as_amax_reads``)."""
 SAVED_WEIGHT_RUNS = ("loka_saved_weight_compile", "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")
 """Runs compiled with parameters not free to save (``torch._functorch.config.treat_parameters_as_free_to_save``
 off): the partitioner then keeps what the forward computed from a weight (the FP8 ``W^T``) for the
@@ -265,7 +259,6 @@ def main(argv=None) -> int:
             # graphs would otherwise count against one recompile limit (fullgraph=True fails past it).
             torch._dynamo.reset()
             scaling._AMAX_ORDER = AMAX_ORDER_RUNS.get(run, DEFAULT_AMAX_ORDER)  # read while compiling
-            scaling._CAST_AS_AMAX_READS = run not in FLAT_CAST_RUNS
             torch._functorch.config.treat_parameters_as_free_to_save = run not in SAVED_WEIGHT_RUNS
             model = make(run, args, device)
             params = list(model.parameters())

@@ -20,7 +20,7 @@ from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import AMAX_HISTORY, LokaLinear, compiled_scaling
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
-from loka_torchrec.fp8 import Fp8Format, quantize, scaling, tensor_amax
+from loka_torchrec.fp8 import Fp8Format, quantize, tensor_amax
 from loka_torchrec.gemm.candidates import CandidateRun, resolve_candidate
 from loka_torchrec.gemm.measure import DelayedInputAmax, error_samples
 from loka_torchrec.gemm.recipes import recipe_for
@@ -79,33 +79,6 @@ def test_quantize_with_a_given_amax_scales_by_it_and_saturates_beyond():
 def test_quantize_refuses_an_amax_it_cannot_use(granularity, amax, match):
     with pytest.raises(ValueError, match=match):
         quantize(torch.randn(4, 16), E4M3, granularity, amax=amax, name="x")
-
-
-@pytest.mark.parametrize("shape, transposed", [((8, 512), False), ((8, 384), False), ((512, 8), True)])
-def test_a_cast_with_a_given_amax_reads_its_amax_chunks_and_equals_the_flat_cast(shape, transposed, monkeypatch):
-    """Where the chunked amax order applies (K a multiple of 256, contiguous rows), a delayed cast reads
-    ``x`` through those chunks; its codes are the flat cast's bit for bit, eager and compiled, and a
-    transposed view or an unaligned K falls back to the flat read."""
-    torch.manual_seed(2)
-    x = torch.randn(*shape, dtype=torch.bfloat16) * 3
-    if transposed:
-        x = x.t()
-    amax = torch.tensor(2.5)
-    chunks = scaling._amax_chunks(x)
-    assert (chunks is not None) == (x.shape[1] % 256 == 0 and not transposed)
-
-    def codes(t):
-        q = quantize(t, E4M3, "tensorwise", amax=amax, nonfinite="propagate")
-        assert q.data.shape == t.shape and q.data.is_contiguous()
-        return q.data.view(torch.uint8)
-
-    monkeypatch.setattr(scaling, "_CAST_AS_AMAX_READS", False)
-    flat = codes(x)
-    monkeypatch.setattr(scaling, "_CAST_AS_AMAX_READS", True)
-    assert torch.equal(codes(x), flat)
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(codes, fullgraph=True)(x), flat)
-    torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------------------- layer

@@ -208,13 +208,8 @@ def quantize(
         raise ValueError(f"{name}: amax is for tensorwise scaling and must be 0-d; got {granularity.value} "
                          f"scaling with amax of shape {tuple(amax.shape)}")  # fmt: skip
     if granularity == Granularity.TENSORWISE:
-        if amax is None:
-            scale = amax_to_scale(tensor_amax(x), fmt, **opts)
-            data = saturated_cast(x, scale, fmt)
-        else:
-            scale = amax_to_scale(amax, fmt, **opts)
-            data = _cast_as_amax_reads(x, scale, fmt)
-        return Fp8Tensor(data.contiguous(), scale.reciprocal().float(), fmt, granularity)
+        scale = amax_to_scale(tensor_amax(x) if amax is None else amax, fmt, **opts)
+        return Fp8Tensor(saturated_cast(x, scale, fmt).contiguous(), scale.reciprocal().float(), fmt, granularity)
     if granularity == Granularity.ROWWISE:
         amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros((x.shape[0], 1))
         scale = amax_to_scale(amax, fmt, **opts)
@@ -241,9 +236,6 @@ AMAX_ORDERS = ("chunks", "rows", "whole")
 _AMAX_ORDER = "chunks"
 """How :func:`tensor_amax` orders its reduction (one of ``AMAX_ORDERS``; a benchmark compares them)."""
 _AMAX_CHUNK = 256
-_CAST_AS_AMAX_READS = True
-"""Whether a cast with a given amax reads ``x`` in :func:`tensor_amax`'s chunks (a benchmark
-compares it with the flat read; see :func:`_cast_as_amax_reads`)."""
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -268,38 +260,12 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(())
     if x.stride(1) != 1 and x.stride(0) == 1:
         x = x.t()  # the contiguous dim last: a transposed view's amax is the tensor's
-    chunks = _amax_chunks(x)
-    if chunks is not None:
-        return chunks.abs().amax(dim=2).amax(dim=1).amax()
+    cols = x.shape[1]
+    if _AMAX_ORDER == "chunks" and x.stride(1) == 1 and cols % _AMAX_CHUNK == 0:
+        return x.unflatten(1, (cols // _AMAX_CHUNK, _AMAX_CHUNK)).abs().amax(dim=2).amax(dim=1).amax()
     if _AMAX_ORDER == "rows" and x.stride(1) == 1:
         return x.abs().amax(dim=1).amax()
     return x.abs().amax()
-
-
-def _amax_chunks(x: torch.Tensor) -> Optional[torch.Tensor]:
-    """``x`` (rows, K) as the ``(rows, K / chunk, chunk)`` view that the ``"chunks"`` order of
-    :func:`tensor_amax` reduces, or ``None`` where that order does not apply."""
-    cols = x.shape[1]
-    if _AMAX_ORDER == "chunks" and x.stride(1) == 1 and cols % _AMAX_CHUNK == 0:
-        return x.unflatten(1, (cols // _AMAX_CHUNK, _AMAX_CHUNK))
-    return None
-
-
-def _cast_as_amax_reads(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """:func:`saturated_cast` of ``x`` (rows, K), reading ``x`` through the view its amax reads.
-
-    For a scale that does not come from ``x`` (delayed scaling), the cast and the amax that is
-    recorded for later calls are independent reads of ``x``. Inductor computes two such reads in one
-    kernel only when they index ``x`` alike: where ``x`` is a pointwise producer inlined into both
-    (a transpose's copy), a cast over the flat ``(rows, K)`` and a reduction over ``(rows, K / chunk,
-    chunk)`` index it differently and become two kernels, each reading ``x``.
-    """
-    if not _CAST_AS_AMAX_READS:
-        return saturated_cast(x, scale, fmt)
-    chunks = _amax_chunks(x)
-    if chunks is None:
-        return saturated_cast(x, scale, fmt)
-    return saturated_cast(chunks, scale, fmt).flatten(1)
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
