@@ -300,8 +300,8 @@ class Loka:
         lines = [str(self.report)]
         lines.append(f"probe: {'on' if self.probe is not None else 'off'}; comms: {self.comms_summary()}")
         if self.compiled_modules:
-            scaling = self.config.dispatch.site_forward_scaling
-            lines.append(f"torch.compile: {', '.join(self.compiled_modules)}; FP8 forward operands: {scaling} scaling")
+            lines.append(f"torch.compile: {', '.join(self.compiled_modules)}; "
+                         f"FP8 forward operands: {self.dispatcher.forward_scaling} scaling")
         return "\n".join(lines)
 
 

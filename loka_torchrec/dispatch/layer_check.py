@@ -104,10 +104,7 @@ def time_layer_step(
         variants = {
             name: LokaLinear(
                 in_features, out_features, bias=bias, device=device, dtype=weight_dtype,
-                kernels=layer_kernels, grad_format=grad_format,
-                # Eager calls scale by the current amax whatever the setting; "current" also
-                # records no amax history, work that neither variant does in a compiled step.
-                forward_scaling="current",
+                kernels=layer_kernels, grad_format=grad_format,  # current scaling: no amax history to keep
             )
             for name, layer_kernels in (("fp8", kernels), ("bf16", LayerKernels()))
         }
