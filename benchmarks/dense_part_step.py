@@ -12,6 +12,10 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
 * ``bf16_nomods_compile_cudagraphs``: the plain model in bf16, compiled with CUDA graphs;
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's float8 training with its
   size filter on the plain model, compiled with CUDA graphs;
+* ``te``, ``te_tensorwise``: Transformer Engine's ``Linear`` on the plain model's aligned layers,
+  in its FP8 autocast (``DelayedScaling``, ``Float8CurrentScaling``), eager (TE's modules do not
+  trace whole); ``te_graphed``, ``te_tensorwise_graphed``: the same, the training step replayed as
+  CUDA graphs captured by TE's ``make_graphed_callables`` (``loka_job.baselines.TeGraphedCall``);
 * ``loka_compile``: the Mods model with a pinned LoKA plan (``--plan``, e.g. the plan a training
   run wrote) or a static mode (``--mode``), compiled with CUDA graphs; ``loka_compile_max_autotune``:
   the same with ``max-autotune-no-cudagraphs``;
@@ -84,7 +88,8 @@ RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", 
         "loka_speed_gate_compile", "loka_tensorwise_compile", "loka_fast_accum_compile",
         "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_current_compile", "loka_delayed_compile", "loka_saved_weight_compile",
         "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight",
-        "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile")  # fmt: skip
+        "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile",
+        "te", "te_graphed", "te_tensorwise", "te_tensorwise_graphed")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_compile_cudagraphs_saved_weight")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
@@ -98,6 +103,9 @@ DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
 FORWARD_SCALING_RUNS = {"loka_current_compile": "current", "loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed",
                         "loka_delayed_whole_amax_compile": "delayed", "loka_delayed_row_amax_compile": "delayed"}  # fmt: skip
 """Runs that name their forward scaling; every other run takes ``DispatchConfig``'s default."""
+TE_RUNS = {"te": ("delayed", False), "te_graphed": ("delayed", True),
+           "te_tensorwise": ("tensorwise", False), "te_tensorwise_graphed": ("tensorwise", True)}  # fmt: skip
+"""Transformer Engine runs: (recipe, replayed as CUDA graphs by TE's ``make_graphed_callables``)."""
 SAVED_WEIGHT_RUNS = ("loka_saved_weight_compile", "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")
 """Runs compiled with parameters not free to save (``torch._functorch.config.treat_parameters_as_free_to_save``
 off): the partitioner then keeps what the forward computed from a weight (the FP8 ``W^T``) for the
@@ -138,6 +146,19 @@ class DensePart(nn.Module):
 
     def forward(self, dense, pooled):
         return self.over_arch(dense, pooled)
+
+
+class TeDensePart(nn.Module):
+    """A dense part converted to Transformer Engine, each forward in the baseline's FP8 autocast."""
+
+    def __init__(self, model: nn.Module, report) -> None:
+        super().__init__()
+        self.model = model
+        self.report = report
+
+    def forward(self, dense, pooled):
+        with self.report.forward_context():
+            return self.model(dense, pooled)
 
 
 def build(preset: str, device: torch.device, mods: bool) -> DensePart:
@@ -207,6 +228,11 @@ def fast_accum_plan(plan: DispatchPlan, roles) -> DispatchPlan:
 def make(run: str, args, device) -> nn.Module:
     mods = run.startswith("bf16_compile") or run.startswith("loka_")
     model = build(args.preset, device, mods=mods).to(torch.bfloat16)
+    if run in TE_RUNS:  # TE: optional, imported when asked; eager or TE's own CUDA graphs, not compiled
+        from loka_job.baselines import BaselineConfig, apply_baseline
+
+        recipe, graphs = TE_RUNS[run]
+        return TeDensePart(model, apply_baseline(model, BaselineConfig(kind="te", recipe=recipe, cuda_graphs=graphs)))
     if run.startswith("torchao"):
         from loka_job.baselines import BaselineConfig, apply_baseline  # torchao: optional, imported when asked
 

@@ -15,7 +15,11 @@
   :meth:`BaselineReport.forward_context` (``te.autocast`` / ``te.fp8_autocast`` with the recipe:
   ``delayed`` = ``DelayedScaling``, ``tensorwise`` = ``Float8CurrentScaling``, ``blockwise`` =
   ``Float8BlockScaling``, ``mxfp8`` = ``MXFP8BlockScaling``). The training job's
-  :class:`~loka_job.training.trainer.Trainer` does this for every forward.
+  :class:`~loka_job.training.trainer.Trainer` does this for every forward. With
+  ``cuda_graphs=true`` each dense module's training forward and backward are also captured as CUDA
+  graphs by TE's own helper, ``transformer_engine.pytorch.make_graphed_callables``, on its first
+  training call, and replayed for every later call with the same input shapes
+  (:class:`TeGraphedCall`); other calls (evaluation, another shape) run eagerly.
 
 Both need FP8 GEMMs with ``K`` and ``N`` multiples of 16: layers whose ``in_features`` or
 ``out_features`` is not are left as they are and listed in the report with the reason (as are
@@ -32,8 +36,9 @@ from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional,
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["BaselineConfig", "BaselineReport", "apply_baseline"]
+__all__ = ["BaselineConfig", "BaselineReport", "TeGraphedCall", "apply_baseline"]
 
 KINDS = ("none", "torchao", "te")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -59,17 +64,25 @@ class BaselineConfig:
             for ``te`` one of ``delayed``, ``tensorwise``, ``blockwise``, ``mxfp8``.
         auto_filter: ``torchao`` only (recipes ``tensorwise`` and ``rowwise``): also leave the
             layers torchao's own filter finds too small to gain from FP8 in high precision.
+        cuda_graphs: ``te`` only: replay each dense module's training step as CUDA graphs captured
+            with TE's ``make_graphed_callables`` (TE's way of cutting the host's launches; its
+            modules do not trace whole under ``torch.compile``).
     """
 
     kind: str = "none"
     recipe: str = "tensorwise"
     auto_filter: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"baseline.kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
         if not isinstance(self.auto_filter, bool):
             raise ValueError(f"baseline.auto_filter: expected true or false, got {self.auto_filter!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"baseline.cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.kind != "te":
+            raise ValueError("baseline.cuda_graphs: only for baseline.kind=te (torchao runs under train.compile)")
         if self.kind == "none":
             return
         recipes = TORCHAO_RECIPES if self.kind == "torchao" else TE_RECIPES
@@ -99,12 +112,15 @@ class BaselineReport:
         converted: ``(fqn, in_features, out_features)`` of each layer now in the library's FP8.
         skipped: ``(fqn, reason)`` of each ``nn.Linear`` left as it was.
         versions: the library's version, e.g. ``{"torchao": "0.16.0"}``.
+        graphed: ``te`` with ``cuda_graphs``: name -> :class:`TeGraphedCall` of each dense module.
     """
 
     config: BaselineConfig
     converted: List[Tuple[str, int, int]] = dataclasses.field(default_factory=list)
     skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     versions: Dict[str, str] = dataclasses.field(default_factory=dict)
+    graphed: Dict[str, "TeGraphedCall"] = dataclasses.field(default_factory=dict)
+    fp8_recipe: Any = dataclasses.field(default=None, repr=False)
     _context: Optional[Callable[[], ContextManager]] = dataclasses.field(default=None, repr=False)
 
     def forward_context(self) -> ContextManager:
@@ -116,11 +132,15 @@ class BaselineReport:
         return self._context() if self._context is not None else contextlib.nullcontext()
 
     def summary(self) -> Dict[str, Any]:
-        """A JSON-able summary (kind, recipe, counts, skipped layers with reasons, versions)."""
+        """A JSON-able summary (kind, recipe, counts, skipped layers with reasons, versions; with
+        ``cuda_graphs``, each graphed module's training calls replayed and run eagerly)."""
         return {
             "kind": self.config.kind,
             "recipe": self.config.recipe,
             "auto_filter": self.config.auto_filter,
+            "cuda_graphs": self.config.cuda_graphs,
+            "graphed_modules": {name: {"graphed_calls": c.graphed_calls, "eager_calls": c.eager_calls}
+                                for name, c in self.graphed.items()},  # fmt: skip
             "converted_layers": len(self.converted),
             "skipped_layers": len(self.skipped),
             "skipped": [list(s) for s in self.skipped],
@@ -131,6 +151,8 @@ class BaselineReport:
         c = self.config
         lines = [f"baseline {c.kind}:{c.recipe}: converted {len(self.converted)} linear layer(s):"]
         lines += [f"  {name}: {fan_in} -> {fan_out}" for name, fan_in, fan_out in self.converted]
+        if self.graphed:
+            lines.append(f"training steps of {', '.join(self.graphed)} replayed as CUDA graphs (TE's make_graphed_callables)")
         if self.skipped:
             lines.append(f"left in high precision ({len(self.skipped)}):")
             lines += [f"  {name}: {reason}" for name, reason in self.skipped]
@@ -166,6 +188,11 @@ def apply_baseline(model: nn.Module, config: BaselineConfig) -> BaselineReport:
         _apply_torchao(model, config, selected, report)
     else:
         _apply_te(model, config, selected, report)
+        if config.cuda_graphs:
+            from loka_torchrec.compile import dense_modules
+
+            for name in dense_modules(model):
+                report.graphed[name] = TeGraphedCall.install(model.get_submodule(name), report)
     return report
 
 
@@ -288,6 +315,7 @@ def _apply_te(model: nn.Module, config: BaselineConfig, selected: Dict[str, nn.L
             f"({report.versions['transformer_engine']}) has no transformer_engine.common.recipe.{class_name}"
         )
     fp8_recipe = recipe_class()
+    report.fp8_recipe = fp8_recipe
     autocast = getattr(te, "autocast", None)  # the newer name; fp8_autocast is deprecated there
     if autocast is not None:
         report._context = lambda: autocast(enabled=True, recipe=fp8_recipe)
@@ -310,6 +338,84 @@ def _apply_te(model: nn.Module, config: BaselineConfig, selected: Dict[str, nn.L
         wrapped.train(old.training)
         _set_submodule(model, name, wrapped)
         report.converted.append((name, old.in_features, old.out_features))
+
+
+class TeGraphedCall:
+    """Calls of one dense module, its training steps replayed as CUDA graphs captured by TE.
+
+    Installed in the module's ``_compiled_call_impl`` slot (the one ``torch.compile`` fills), so
+    that names and ``state_dict`` keys stay as they were. The first call in training mode with
+    gradients on captures the module's forward and backward with
+    ``transformer_engine.pytorch.make_graphed_callables`` (FP8 on, the report's recipe), using
+    detached copies of that call's tensors as the graph's static inputs; every later training call
+    whose inputs have the same structure, shapes, dtypes and ``requires_grad`` copies its tensors
+    in and replays the graphs. Any other call (evaluation, ``no_grad``, another shape) runs the
+    module eagerly; ``eager_calls`` counts those made in training mode.
+
+    Inputs are flattened with ``torch.utils._pytree`` (TorchRec registers ``KeyedTensor``); a
+    TorchRec ``LazyAwaitable`` argument is waited for first, as a compiled module's is.
+    """
+
+    def __init__(self, module: nn.Module, report: BaselineReport, capture: Optional[Callable] = None) -> None:
+        self.module = module
+        self.report = report
+        self._capture = capture or _te_capture
+        self.flat: Optional[_FlatCall] = None
+        self.signature = None
+        self.graphed_calls = 0
+        self.eager_calls = 0
+
+    @classmethod
+    def install(cls, module: nn.Module, report: BaselineReport, capture: Optional[Callable] = None) -> "TeGraphedCall":
+        call = cls(module, report, capture)
+        module._compiled_call_impl = call
+        return call
+
+    def __call__(self, *args, **kwargs):
+        from loka_torchrec.compile import resolve_awaitables
+
+        args = resolve_awaitables(args)
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.module._call_impl(*args, **kwargs)
+        leaves, spec = tree_flatten(args)
+        if kwargs or not all(isinstance(t, torch.Tensor) for t in leaves):
+            self.eager_calls += 1
+            return self.module._call_impl(*args, **kwargs)
+        signature = (spec, tuple((t.shape, t.dtype, t.requires_grad) for t in leaves))
+        if self.flat is None:
+            self.flat = _FlatCall(self.module, spec)
+            samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in leaves)
+            self._capture(self.flat, samples, self.report)
+            self.signature = signature
+        if signature != self.signature:
+            self.eager_calls += 1
+            return self.module._call_impl(*args)
+        self.graphed_calls += 1
+        return self.flat(*leaves)
+
+
+class _FlatCall(nn.Module):
+    """``module`` called with its arguments' tensors flattened (``make_graphed_callables`` takes
+    tensors only); not registered in the model, so the model's names are unchanged."""
+
+    def __init__(self, module: nn.Module, spec) -> None:
+        super().__init__()
+        self.inner = module
+        self.spec = spec
+
+    def forward(self, *leaves):
+        return self.inner._call_impl(*tree_unflatten(list(leaves), self.spec))
+
+
+def _te_capture(flat: nn.Module, samples: Tuple[torch.Tensor, ...], report: BaselineReport) -> None:
+    """Capture ``flat``'s forward and backward with TE's graph helper, in place (TE replaces its
+    ``forward`` by the graphed one in training mode)."""
+    _, te, _ = _import_te()
+    kwargs = dict(num_warmup_iters=3, allow_unused_input=True, enabled=True, recipe=report.fp8_recipe)
+    with contextlib.ExitStack() as stack:
+        if torch.is_autocast_enabled("cuda"):  # TE, like torch, refuses to capture with autocast's cache on
+            stack.enter_context(torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False))
+        te.make_graphed_callables(flat, samples, **kwargs)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

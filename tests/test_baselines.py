@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from loka_job.baselines import BaselineConfig, TePaddedLinear, apply_baseline
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+from loka_job.baselines import BaselineConfig, BaselineReport, TeGraphedCall, TePaddedLinear, apply_baseline
 from loka_torchrec.config import LokaConfig
-from loka_job.training.trainer import check_baseline_vs_loka
+from loka_job.training.trainer import check_baseline_vs_compile, check_baseline_vs_loka
 
 
 class _Model(nn.Module):
@@ -34,6 +36,8 @@ class _Model(nn.Module):
         (dict(kind="te", recipe="delayed", auto_filter=True), "baseline.auto_filter"),
         (dict(kind="torchao", recipe="rowwise_with_gw_hp", auto_filter=True), "baseline.auto_filter"),
         (dict(kind="torchao", auto_filter="yes"), "baseline.auto_filter"),
+        (dict(kind="torchao", cuda_graphs=True), "baseline.cuda_graphs: only for baseline.kind=te"),
+        (dict(kind="te", recipe="delayed", cuda_graphs="yes"), "baseline.cuda_graphs: expected true or false"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, message):
@@ -62,6 +66,20 @@ def test_training_job_refuses_baseline_with_loka_before_starting(tmp_path):
     with pytest.raises(ValueError, match="baseline.kind=te cannot run with loka.enabled=true"):
         run(cfg, str(tmp_path))
     assert not any(tmp_path.iterdir())  # refused before any set-up
+
+
+def test_te_cuda_graphs_refuse_a_named_compile_mode_before_starting(tmp_path):
+    te_graphs = BaselineConfig("te", "delayed", cuda_graphs=True)
+    check_baseline_vs_compile(te_graphs, "none")  # fine
+    check_baseline_vs_compile(te_graphs, "auto")  # fine: taken as none
+    check_baseline_vs_compile(BaselineConfig("te", "delayed"), "default")  # fine: TE compiled with graph breaks
+    from loka_job.train import run
+
+    cfg = {"model": {"name": "dlrm"}, "loka": {"enabled": False}, "train": {"compile": "reduce-overhead"},
+           "baseline": {"kind": "te", "recipe": "delayed", "cuda_graphs": True}}  # fmt: skip
+    with pytest.raises(ValueError, match="baseline.cuda_graphs=true replaces train.compile=reduce-overhead"):
+        run(cfg, str(tmp_path))
+    assert not any(tmp_path.iterdir())
 
 
 def test_kind_none_changes_nothing():
@@ -134,6 +152,76 @@ def test_te_padded_linear_pads_rows_exactly():
     torch.testing.assert_close(inner.bias.grad, ref.bias.grad)
 
 
+# --------------------------------------------------------------------------------------- TE's CUDA graphs
+class _OverArch(nn.Module):
+    """A dense module called as DHEN's: a dense tensor and a ``KeyedTensor`` of pooled embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(13 + 2 * 16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, dense, pooled):
+        return self.mlp(torch.cat([dense, pooled.values()], dim=1)).squeeze(1)
+
+
+def _stand_in_capture(captures):
+    """Stands in for TE's ``make_graphed_callables`` (which needs CUDA): records the samples and,
+    as TE does, replaces the module's ``forward`` by the "graphed" one (here: counting, then eager)."""
+
+    def capture(flat, samples, report):
+        captures.append(samples)
+        eager_forward = flat.forward
+
+        def graphed(*leaves):
+            captures.append("replay")
+            return eager_forward(*leaves)
+
+        flat.forward = graphed
+
+    return capture
+
+
+def _pooled(rows, requires_grad=False):
+    values = torch.randn(rows, 32, requires_grad=requires_grad)
+    return KeyedTensor(keys=["a", "b"], length_per_key=[16, 16], values=values), values
+
+
+def test_te_graphed_call_captures_once_and_replays_only_the_captured_training_signature():
+    torch.manual_seed(0)
+    over, reference = _OverArch(), _OverArch()
+    reference.load_state_dict(over.state_dict())
+    captures = []
+    call = TeGraphedCall.install(over, BaselineReport(BaselineConfig("te", "delayed", cuda_graphs=True)),
+                                 capture=_stand_in_capture(captures))  # fmt: skip
+    dense = torch.randn(8, 13)
+    pooled, values = _pooled(8, requires_grad=True)
+    out = over(dense, pooled)  # the first training call: capture, then replay
+    assert len(captures) == 2 and captures[1] == "replay"
+    samples = captures[0]
+    assert [t.shape for t in samples] == [dense.shape, values.shape]
+    assert [t.requires_grad for t in samples] == [False, True]  # as the call's own tensors
+    assert all(s is not t and s.data_ptr() != t.data_ptr() for s, t in zip(samples, (dense, values)))
+    ref_values = values.detach().clone().requires_grad_()
+    ref = reference(dense, KeyedTensor(keys=["a", "b"], length_per_key=[16, 16], values=ref_values))
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(values.grad, ref_values.grad)  # gradients reach the KeyedTensor's values
+    torch.testing.assert_close(over.mlp[0].weight.grad, reference.mlp[0].weight.grad)
+    over(dense, pooled)
+    assert captures.count("replay") == 2 and call.graphed_calls == 2 and call.eager_calls == 0
+    over(torch.randn(4, 13), _pooled(4, requires_grad=True)[0])  # another shape: eager
+    assert captures.count("replay") == 2 and call.eager_calls == 1
+    over(dense, _pooled(8, requires_grad=False)[0])  # another requires_grad: eager
+    assert call.eager_calls == 2
+    over.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(over(dense, pooled), reference.eval()(dense, pooled))  # evaluation: eager, not counted
+    assert captures.count("replay") == 2 and call.eager_calls == 2 and len(captures) == 3  # captured once
+    assert list(over.state_dict()) == list(reference.state_dict())  # names unchanged
+    assert call.report.summary()["graphed_modules"] == {}  # installed by hand here, not by apply_baseline
+
+
 # --------------------------------------------------------------------------------------- torchao
 
 
@@ -187,3 +275,45 @@ def test_recipe_sections_compose_and_validate():
     assert BaselineConfig.from_dict(cfg["baseline"]) == BaselineConfig("te", "delayed")
     assert TrainConfig(**cfg["train"]).autocast == "bf16"
     check_baseline_vs_loka(BaselineConfig.from_dict(cfg["baseline"]), LokaConfig.from_dict(cfg["loka"]))
+
+
+# --------------------------------------------------------------------------------------- GPU (with TE)
+class _AlignedOverArch(_OverArch):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.mlp = nn.Sequential(nn.Linear(16 + 2 * 64, 128), nn.ReLU(), nn.Linear(128, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_te_graphed_training_steps_match_eager_te(recipe):
+    """TE's CUDA graphs replay what eager TE computes: outputs and every gradient over steps."""
+    pytest.importorskip("transformer_engine.pytorch")
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    eager_model = _AlignedOverArch().to(device, torch.bfloat16)
+    graphed_model = _AlignedOverArch().to(device, torch.bfloat16)
+    graphed_model.load_state_dict(eager_model.state_dict())
+    eager = apply_baseline(eager_model, BaselineConfig("te", recipe))
+    graphed = apply_baseline(graphed_model, BaselineConfig("te", recipe, cuda_graphs=True))
+    assert len(graphed.converted) == 2 and list(graphed.graphed) == ["mlp"]
+    for step in range(4):
+        dense = torch.randn(256, 16, device=device, dtype=torch.bfloat16)
+        values = torch.randn(256, 128, device=device, dtype=torch.bfloat16)
+        results = []
+        for model, report in ((eager_model, eager), (graphed_model, graphed)):
+            v = values.clone().requires_grad_()
+            with report.forward_context():
+                out = model(dense, KeyedTensor(keys=["a", "b"], length_per_key=[64, 64], values=v))
+            (out.float() ** 2).sum().backward()
+            results.append((out.float(), v.grad.float(), [p.grad.float() for p in model.parameters()]))
+            for p in model.parameters():
+                p.grad = None
+        (out_e, dv_e, dw_e), (out_g, dv_g, dw_g) = results
+        tol = dict(rtol=2e-2, atol=2e-2 * out_e.abs().max().item())
+        torch.testing.assert_close(out_g, out_e, **tol)
+        torch.testing.assert_close(dv_g, dv_e, rtol=2e-2, atol=2e-2 * dv_e.abs().max().item())
+        for g, e in zip(dw_g, dw_e):
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2 * e.abs().max().item())
+    assert graphed.graphed["mlp"].graphed_calls == 4 and graphed.graphed["mlp"].eager_calls == 0

@@ -50,6 +50,16 @@ def check_baseline_vs_loka(baseline: BaselineConfig, loka: LokaConfig) -> None:
         )
 
 
+def check_baseline_vs_compile(baseline: BaselineConfig, compile: str) -> None:
+    """TE's CUDA graphs (``baseline.cuda_graphs``) take the place of ``torch.compile``: refuse a
+    named compile mode with them (``auto`` is taken as ``none``)."""
+    if baseline.cuda_graphs and compile not in ("auto", "none"):
+        raise ValueError(
+            f"baseline.cuda_graphs=true replaces train.compile={compile}: the dense modules run as TE's "
+            "CUDA graphs, not compiled; set train.compile=none (or auto)"
+        )
+
+
 def step_time_stats(seconds: List[float]) -> Dict[str, float]:
     """Median, p10, p90 and mean of step times, in milliseconds (NaN without any step).
 
@@ -318,6 +328,9 @@ class Trainer:
         baseline_config = baseline_config or BaselineConfig()
         check_baseline_vs_loka(baseline_config, loka_config)
         self.compile_mode = resolve_compile_mode(train_config.compile, ctx.device)
+        check_baseline_vs_compile(baseline_config, train_config.compile)
+        if baseline_config.cuda_graphs:  # TE's CUDA graphs instead of torch.compile
+            self.compile_mode = None
         # 1. LoKA, as any TorchRec job turns it on (loka_torchrec.prepare): mods, conversion, Probe,
         #    Dispatch and the compile of the dense modules, on the unsharded model before DMP wraps it.
         self.loka = None
