@@ -16,6 +16,8 @@ events (median over ``--steps`` after ``--warmup``), every run in this one proce
   in its FP8 autocast (``DelayedScaling``, ``Float8CurrentScaling``), eager (TE's modules do not
   trace whole); ``te_graphed``, ``te_tensorwise_graphed``: the same, the training step replayed as
   CUDA graphs captured by TE's ``make_graphed_callables`` (``loka_job.baselines.TeGraphedCall``);
+  ``te_compile``: ``te`` under ``torch.compile`` (default mode; Dynamo breaks the graph around TE's
+  modules and Inductor compiles what lies between);
 * ``loka_compile``: the Mods model with a pinned LoKA plan (``--plan``, e.g. the plan a training
   run wrote) or a static mode (``--mode``), compiled with CUDA graphs; ``loka_compile_max_autotune``:
   the same with ``max-autotune-no-cudagraphs``;
@@ -89,7 +91,7 @@ RUNS = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", 
         "loka_fast_accum_fwd_compile", "loka_whole_amax_compile", "loka_current_compile", "loka_delayed_compile", "loka_saved_weight_compile",
         "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight",
         "loka_delayed_whole_amax_compile", "loka_delayed_row_amax_compile",
-        "te", "te_graphed", "te_tensorwise", "te_tensorwise_graphed")  # fmt: skip
+        "te", "te_graphed", "te_tensorwise", "te_tensorwise_graphed", "te_compile")  # fmt: skip
 BF16_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs", "bf16_compile_max_autotune", "bf16_compile_cudagraphs_saved_weight")
 """The bf16 compile modes; the fastest that ran is every ratio's reference."""
 PLAN_VARIANTS = {"loka_speed_gate_compile": None, "loka_tensorwise_compile": "scaled_mm:tensorwise"}
@@ -103,8 +105,8 @@ DEFAULT_AMAX_ORDER = scaling._AMAX_ORDER
 FORWARD_SCALING_RUNS = {"loka_current_compile": "current", "loka_delayed_compile": "delayed", "loka_delayed_saved_weight_compile": "delayed",
                         "loka_delayed_whole_amax_compile": "delayed", "loka_delayed_row_amax_compile": "delayed"}  # fmt: skip
 """Runs that name their forward scaling; every other run takes ``DispatchConfig``'s default."""
-TE_RUNS = {"te": ("delayed", False), "te_graphed": ("delayed", True),
-           "te_tensorwise": ("tensorwise", False), "te_tensorwise_graphed": ("tensorwise", True)}  # fmt: skip
+TE_RUNS = {"te": ("delayed", False), "te_graphed": ("delayed", True), "te_tensorwise": ("tensorwise", False),
+           "te_tensorwise_graphed": ("tensorwise", True), "te_compile": ("delayed", False)}  # fmt: skip
 """Transformer Engine runs: (recipe, replayed as CUDA graphs by TE's ``make_graphed_callables``)."""
 SAVED_WEIGHT_RUNS = ("loka_saved_weight_compile", "loka_delayed_saved_weight_compile", "bf16_compile_cudagraphs_saved_weight")
 """Runs compiled with parameters not free to save (``torch._functorch.config.treat_parameters_as_free_to_save``
@@ -228,11 +230,12 @@ def fast_accum_plan(plan: DispatchPlan, roles) -> DispatchPlan:
 def make(run: str, args, device) -> nn.Module:
     mods = run.startswith("bf16_compile") or run.startswith("loka_")
     model = build(args.preset, device, mods=mods).to(torch.bfloat16)
-    if run in TE_RUNS:  # TE: optional, imported when asked; eager or TE's own CUDA graphs, not compiled
+    if run in TE_RUNS:  # TE: optional, imported when asked; eager, as TE's CUDA graphs, or compiled around its modules
         from loka_job.baselines import BaselineConfig, apply_baseline
 
         recipe, graphs = TE_RUNS[run]
-        return TeDensePart(model, apply_baseline(model, BaselineConfig(kind="te", recipe=recipe, cuda_graphs=graphs)))
+        te_model = TeDensePart(model, apply_baseline(model, BaselineConfig(kind="te", recipe=recipe, cuda_graphs=graphs)))
+        return torch.compile(te_model, mode="default") if run.endswith("_compile") else te_model
     if run.startswith("torchao"):
         from loka_job.baselines import BaselineConfig, apply_baseline  # torchao: optional, imported when asked
 

@@ -49,9 +49,9 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   filter (not for gw_hp);
 * ``te``: Transformer Engine ``Linear`` + FP8 autocast, ``DelayedScaling`` (TE's default on
   H100), eager; ``te_tensorwise``: the same with ``Float8CurrentScaling`` (not in the default list);
-  ``te_graphed`` (``te_tensorwise_graphed``, not in the default list): the same with the dense
-  modules' training steps replayed as CUDA graphs captured by TE's ``make_graphed_callables``
-  (``baseline.cuda_graphs=true``), TE's own way of cutting the host's launches;
+  ``te_compile``: ``te`` with ``train.compile=default`` (Dynamo breaks the graph around TE's
+  modules; Inductor fuses the rest). TE's CUDA-graph helper runs on the dense part alone
+  (``benchmarks/dense_part_step.py``): the job refuses it (``baseline.cuda_graphs``);
 * ``loka_compile``: Probe -> Dispatch -> FP8, Mods on, embedding all-to-all at the default
   (``auto``: fp8 or fp32 per direction, whichever the run's own timing finds faster), with
   ``train.compile=reduce-overhead``; ``loka_compile_default`` (not in the default list): with
@@ -179,11 +179,11 @@ def _torchao(name: str, recipe: str, compile: str = "none", auto_filter: bool = 
     )  # fmt: skip
 
 
-def _te(name: str, recipe: str, cuda_graphs: bool = False) -> RunSpec:
+def _te(name: str, recipe: str, compile: str = "none") -> RunSpec:
     return RunSpec(
         name,
-        ("loka.enabled=false", "baseline.kind=te", f"baseline.recipe={recipe}",
-         *(["baseline.cuda_graphs=true"] if cuda_graphs else [])),
+        ("loka.enabled=false", "baseline.kind=te", f"baseline.recipe={recipe}"),
+        compile=compile,
         library="transformer_engine",
         pip="pip install transformer-engine[pytorch]",
         cuda_only=True,
@@ -207,8 +207,7 @@ RUNS: Dict[str, RunSpec] = {
         _torchao("torchao_rowwise_with_gw_hp", "rowwise_with_gw_hp"),
         _te("te", "delayed"),
         _te("te_tensorwise", "tensorwise"),
-        _te("te_graphed", "delayed", cuda_graphs=True),
-        _te("te_tensorwise_graphed", "tensorwise", cuda_graphs=True),
+        _te("te_compile", "delayed", "default"),
         RunSpec("loka", _LOKA),
         RunSpec("loka_compile", _LOKA, compile="reduce-overhead"),
         RunSpec("loka_compile_default", _LOKA, compile="default"),
@@ -224,7 +223,7 @@ RUNS: Dict[str, RunSpec] = {
 }
 DEFAULT_RUNS = (
     "bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_tensorwise_compile", "torchao_rowwise_compile", "te",
-    "te_graphed", "loka_compile",
+    "te_compile", "loka_compile",
 )  # fmt: skip
 REPEAT_SEPARATOR = "@"  # ``<run>@<k>``: the k-th run of one configuration in a call (module docstring)
 

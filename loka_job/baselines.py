@@ -19,7 +19,9 @@
   ``cuda_graphs=true`` each dense module's training forward and backward are also captured as CUDA
   graphs by TE's own helper, ``transformer_engine.pytorch.make_graphed_callables``, on its first
   training call, and replayed for every later call with the same input shapes
-  (:class:`TeGraphedCall`); other calls (evaluation, another shape) run eagerly.
+  (:class:`TeGraphedCall`); other calls (evaluation, another shape) run eagerly. The training job
+  refuses it (``check_baseline_in_job``: the capture fails on DDP-wrapped parameters); the dense
+  part's benchmark (``benchmarks/dense_part_step.py``) uses it.
 
 Both need FP8 GEMMs with ``K`` and ``N`` multiples of 16: layers whose ``in_features`` or
 ``out_features`` is not are left as they are and listed in the report with the reason (as are
@@ -66,7 +68,7 @@ class BaselineConfig:
             layers torchao's own filter finds too small to gain from FP8 in high precision.
         cuda_graphs: ``te`` only: replay each dense module's training step as CUDA graphs captured
             with TE's ``make_graphed_callables`` (TE's way of cutting the host's launches; its
-            modules do not trace whole under ``torch.compile``).
+            modules do not trace whole under ``torch.compile``). Not in the training job.
     """
 
     kind: str = "none"

@@ -35,7 +35,7 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     from loka_job.training.data import make_data
     from loka_job.training.sharding import check_sharding_group_size
     from loka_job.training.trainer import (
-        TrainConfig, Trainer, check_baseline_vs_compile, check_baseline_vs_loka, enable_determinism,
+        TrainConfig, Trainer, check_baseline_in_job, check_baseline_vs_loka, enable_determinism,
     )  # fmt: skip
 
     # Validate everything the user typed before any process-group work.
@@ -45,7 +45,7 @@ def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     loka_cfg = LokaConfig.from_dict(cfg.get("loka") or {})
     baseline_cfg = BaselineConfig.from_dict(cfg.get("baseline") or {})
     check_baseline_vs_loka(baseline_cfg, loka_cfg)
-    check_baseline_vs_compile(baseline_cfg, train_cfg.compile)
+    check_baseline_in_job(baseline_cfg)
     data_cfg = dict(cfg.get("data") or {})
 
     import warnings

@@ -33,7 +33,7 @@ class _PickyBackend(GemmBackend):
     in_auto = False
     refuse_n = 48  # every GEMM with N == 48 fails
 
-    def alignment(self, device) -> int:
+    def alignment(self, device, recipe=None) -> int:
         return 16
 
     def quantize(self, t, spec, *, name="operand"):
@@ -112,7 +112,7 @@ def test_a_one_output_layer_compiles_with_tensorwise_fp8():
 def test_padding_and_varying_batches_compile_once(monkeypatch):
     """With a 16-alignment (as on CUDA) every dim is padded symbolically: batches of any size after
     the first reuse one dynamic graph, and the results stay exact up to FP8."""
-    monkeypatch.setattr(type(get_backend("scaled_mm")), "alignment", lambda self, device: 16)
+    monkeypatch.setattr(type(get_backend("scaled_mm")), "alignment", lambda self, device, recipe=None: 16)
     model = _mlp()
     layers = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:rowwise")).dispatcher.managed_layers()
     assert all(layer.plan.fwd.align == 16 for layer in layers.values())

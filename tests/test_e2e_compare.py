@@ -251,7 +251,7 @@ def test_compiled_runs_and_their_modes(monkeypatch):
     monkeypatch.setattr(e2e, "job_has_compile_option", lambda: True)
     args = e2e.parse_args([])
     assert args.runs == ["bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_tensorwise_compile",
-                         "torchao_rowwise_compile", "te", "te_graphed", "loka_compile"]  # fmt: skip
+                         "torchao_rowwise_compile", "te", "te_compile", "loka_compile"]  # fmt: skip
     assert args.recipes == ["dlrm_large", "dhen_large", "dhen_xl", "hstu_large", "hstu_xl"]
     for name in ("loka_graphs", "bf16_graphs", "loka_dense_graphs"):  # the hand-written CUDA-graph runs are gone
         assert name not in e2e.RUNS
@@ -270,10 +270,9 @@ def test_compiled_runs_and_their_modes(monkeypatch):
                  "train.compile=reduce-overhead"):
         assert item in torchao
     assert "loka.probe.warmup_steps=200" in e2e.run_overrides(args, "dhen_xl", e2e.RUNS["loka_compile"], 0)
-    te_graphed = e2e.run_overrides(args, "dhen_xl", e2e.RUNS["te_graphed"], 0)  # TE's CUDA graphs, not compiled
-    for item in ("loka.enabled=false", "baseline.kind=te", "baseline.recipe=delayed", "baseline.cuda_graphs=true",
-                 "train.compile=none"):
-        assert item in te_graphed
+    te_compile = e2e.run_overrides(args, "dhen_xl", e2e.RUNS["te_compile"], 0)
+    for item in ("loka.enabled=false", "baseline.kind=te", "baseline.recipe=delayed", "train.compile=default"):
+        assert item in te_compile
     assert e2e.preflight(args, e2e.RUNS["loka_compile"]) is None
     with pytest.raises(ValueError, match="RunSpec.compile: expected one of"):
         e2e.RunSpec("x", (), compile="fast")

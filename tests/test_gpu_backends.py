@@ -113,6 +113,17 @@ def test_fbgemm_recipe_rules(monkeypatch):
         backend.quantize(torch.zeros(4, 4), OperandSpec(Fp8Format.E4M3, Granularity.TENSORWISE))
 
 
+def test_te_blockwise_pads_every_dim_to_its_tiles():
+    """TE's blockwise tiles are 128 long along K, and a grad-weight GEMM's K is the row count: a
+    ``LokaLinear`` pads rows (and K, N) to 128 for it, to 16 for TE's other recipes."""
+    backend = te_module.TransformerEngineBackend()
+    blockwise, tensorwise = _recipe("blockwise", GemmRole.GRAD_WEIGHT), _recipe("tensorwise", GemmRole.GRAD_WEIGHT)
+    assert backend.alignment("cuda", blockwise) == 128
+    assert backend.alignment("cuda", tensorwise) == backend.alignment("cuda") == 16
+    assert backend.padded_shape(GemmShape(256, 16, 384), "cuda", blockwise) == GemmShape(256, 128, 384)
+    assert backend.padded_shape(GemmShape(256, 16, 384), "cuda", tensorwise) == GemmShape(256, 16, 384)
+
+
 def test_triton_backend_rejects_blockwise_operands():
     backend = backends.get_backend("triton")
     with pytest.raises(ValueError, match="tensorwise or rowwise"):

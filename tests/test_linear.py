@@ -360,7 +360,7 @@ def test_paired_quantization_equals_separate_quantization(choice, monkeypatch):
 
 def test_paired_quantization_skipped_when_rows_need_padding(quantize_calls, monkeypatch):
     """Rows that grad-weight must pad (alignment 16) fall back to separate quantization, exactly."""
-    monkeypatch.setattr(get_backend("scaled_mm"), "alignment", lambda device: 16)
+    monkeypatch.setattr(get_backend("scaled_mm"), "alignment", lambda device, recipe=None: 16)
     layer = LokaLinear(32, 16, kernels=kernels_for("scaled_mm:rowwise", "all"))
     x = torch.randn(10, 32, requires_grad=True)  # 10 rows: padded to 16 for grad-weight
     y = layer(x)
@@ -491,7 +491,7 @@ class _Aligned16Backend(EmulatedBackend):
         super().__init__()
         self.mm_shapes, self.checks = [], 0
 
-    def alignment(self, device):
+    def alignment(self, device, recipe=None):
         return 16
 
     def check(self, recipe, shape, device):

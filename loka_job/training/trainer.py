@@ -50,13 +50,20 @@ def check_baseline_vs_loka(baseline: BaselineConfig, loka: LokaConfig) -> None:
         )
 
 
-def check_baseline_vs_compile(baseline: BaselineConfig, compile: str) -> None:
-    """TE's CUDA graphs (``baseline.cuda_graphs``) take the place of ``torch.compile``: refuse a
-    named compile mode with them (``auto`` is taken as ``none``)."""
-    if baseline.cuda_graphs and compile not in ("auto", "none"):
+def check_baseline_in_job(baseline: BaselineConfig) -> None:
+    """Refuse TE's CUDA graphs (``baseline.cuda_graphs``) in the training job.
+
+    Under ``DistributedModelParallel`` the dense parameters are wrapped by DDP, which makes their
+    gradient accumulators on the default stream; TE's ``make_graphed_callables`` captures the
+    backward on a side stream, and accumulating there into those parameters failed on an H100
+    (``cudaErrorStreamCaptureImplicit``: the legacy stream made to wait on the capture). The
+    graphs run on the dense part alone (``benchmarks/dense_part_step.py``, runs ``te*_graphed``).
+    """
+    if baseline.cuda_graphs:
         raise ValueError(
-            f"baseline.cuda_graphs=true replaces train.compile={compile}: the dense modules run as TE's "
-            "CUDA graphs, not compiled; set train.compile=none (or auto)"
+            "baseline.cuda_graphs=true: TE's CUDA graphs cannot capture the backward of DDP-wrapped parameters in "
+            "this DistributedModelParallel job; use baseline.cuda_graphs=false (train.compile=default compiles "
+            "around TE's modules)"
         )
 
 
@@ -328,9 +335,7 @@ class Trainer:
         baseline_config = baseline_config or BaselineConfig()
         check_baseline_vs_loka(baseline_config, loka_config)
         self.compile_mode = resolve_compile_mode(train_config.compile, ctx.device)
-        check_baseline_vs_compile(baseline_config, train_config.compile)
-        if baseline_config.cuda_graphs:  # TE's CUDA graphs instead of torch.compile
-            self.compile_mode = None
+        check_baseline_in_job(baseline_config)
         # 1. LoKA, as any TorchRec job turns it on (loka_torchrec.prepare): mods, conversion, Probe,
         #    Dispatch and the compile of the dense modules, on the unsharded model before DMP wraps it.
         self.loka = None

@@ -670,7 +670,7 @@ class GemmSite(nn.Module):
             return _RoleKernel(choice, None) if choice.is_high_precision else _RoleKernel(BF16, None)
         recipe = recipe_for(choice.recipe, role, grad_format=self._grad_format)
         backend = get_backend(choice.backend)
-        align = backend.alignment(device)
+        align = backend.alignment(device, recipe)
         # Rows enter a GEMM only as M (forward, grad-input) or as grad-weight's K; both are padded
         # to the alignment, so one check at a representative row count holds for every batch.
         shape = GemmShape.for_role(role, align, self.in_features, self.out_features)

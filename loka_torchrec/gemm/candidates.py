@@ -95,7 +95,7 @@ def resolve_candidate(
     problem = backend.check(recipe, shape, device)
     if problem is None:
         return CandidateRun(choice, recipe)
-    align = backend.alignment(device)
+    align = backend.alignment(device, recipe)
     if align > 1 and backend.check_padded(recipe, shape, device) is None:
         return CandidateRun(choice, recipe, align)
     return problem

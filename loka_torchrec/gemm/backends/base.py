@@ -93,8 +93,9 @@ class GemmBackend(abc.ABC):
             return self.recipes
         return tuple(r for r in self.recipes if not split_fast_accum(r)[1])
 
-    def alignment(self, device: "torch.device | str") -> int:
-        """Required multiple for ``K`` and ``N`` on ``device`` (1 = no constraint)."""
+    def alignment(self, device: "torch.device | str", recipe: Optional[GemmRecipe] = None) -> int:
+        """Required multiple for ``K`` and ``N`` on ``device`` (1 = no constraint); a recipe with
+        coarser tiles (``recipe``) may need more, also of the rows that ``LokaLinear`` pads."""
         return 1
 
     def check(self, recipe: GemmRecipe, shape: GemmShape, device: "torch.device | str") -> Optional[str]:
@@ -104,21 +105,23 @@ class GemmBackend(abc.ABC):
             return available.reason
         if recipe.name not in self.recipes:
             return f"{self.name} has no recipe {recipe.name!r} (has: {', '.join(self.recipes)})"
-        align = self.alignment(device)
+        align = self.alignment(device, recipe)
         if align > 1 and (shape.k % align or shape.n % align):
             return f"{self.name} needs K and N to be multiples of {align} on {torch.device(device).type}; got K={shape.k}, N={shape.n}"
         return None
 
-    def padded_shape(self, shape: GemmShape, device: "torch.device | str") -> GemmShape:
-        """``shape`` with every dim rounded up to :meth:`alignment`: what ``LokaLinear`` runs (it
-        zero-pads the operands, which changes neither the product nor any amax)."""
-        align = self.alignment(device)
+    def padded_shape(
+        self, shape: GemmShape, device: "torch.device | str", recipe: Optional[GemmRecipe] = None
+    ) -> GemmShape:
+        """``shape`` with every dim rounded up to :meth:`alignment` (for ``recipe``): what
+        ``LokaLinear`` runs (it zero-pads the operands, which changes neither the product nor any amax)."""
+        align = self.alignment(device, recipe)
         return GemmShape(*(-(-d // align) * align for d in (shape.m, shape.k, shape.n)))
 
     def check_padded(self, recipe: GemmRecipe, shape: GemmShape, device: "torch.device | str") -> Optional[str]:
         """:meth:`check` at :meth:`padded_shape`: ``None`` if a ``LokaLinear`` GEMM of ``shape`` can
         run here on this backend, else the reason."""
-        return self.check(recipe, self.padded_shape(shape, device), device)
+        return self.check(recipe, self.padded_shape(shape, device, recipe), device)
 
     def compile_reason(self, recipe: str) -> Optional[str]:
         """``None`` if ``recipe`` runs under ``torch.compile``, else why not."""

@@ -120,7 +120,7 @@ class FbgemmBackend(GemmBackend):
                 self._triton_modes[key] = "no mode of matmul_fp8_row runs here: " + "; ".join(failures)
         return self._triton_modes[key]
 
-    def alignment(self, device) -> int:
+    def alignment(self, device, recipe: Optional[GemmRecipe] = None) -> int:
         return 16
 
     def check(self, recipe: GemmRecipe, shape: GemmShape, device: "torch.device | str") -> Optional[str]:

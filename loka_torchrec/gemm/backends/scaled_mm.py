@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from loka_torchrec.gemm.backends.base import Availability, GemmBackend, register_backend
 from loka_torchrec.gemm.backends.operand_quantize import quantize_operand, quantize_operand_with_transpose
@@ -44,7 +44,7 @@ class ScaledMMBackend(GemmBackend):
         torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
         return Availability(True)
 
-    def alignment(self, device) -> int:
+    def alignment(self, device, recipe: Optional[GemmRecipe] = None) -> int:
         return 16 if torch.device(device).type == "cuda" else 1
 
     def quantize(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Fp8Tensor:

@@ -92,8 +92,10 @@ class TransformerEngineBackend(GemmBackend):
         torch.cuda.synchronize(device)
         return Availability(True)
 
-    def alignment(self, device) -> int:
-        return 16
+    def alignment(self, device, recipe: Optional[GemmRecipe] = None) -> int:
+        # blockwise quantizes in 1x128 / 128x128 tiles along K: every dim padded to 128 (rows too,
+        # which are grad-weight's K)
+        return 128 if recipe is not None and recipe.base == "blockwise" else 16
 
     def check(self, recipe: GemmRecipe, shape: GemmShape, device: "torch.device | str") -> Optional[str]:
         reason = super().check(recipe, shape, device)
