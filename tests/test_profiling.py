@@ -32,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     [
         ("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_...", "gemm_fp8"),
         ("nvjet_sm90_qqtst_64x128_128x8_2x1_v_bz_algo2_TNN", "gemm_fp8"),
+        ("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", "gemm_fp8"),  # e4m3 x e5m2 (TE's backward)
+        ("nvjet_sm90_tst_64x64_64x13_1x1_v_bz_TNT", "gemm_bf16"),
         ("_fp8_gemm_kernel", "gemm_fp8"),
         ("_amax_tiles_kernel", "fp8_quantize"),
         ("_quantize_tiles_kernel", "fp8_quantize"),

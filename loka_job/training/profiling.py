@@ -108,11 +108,12 @@ DEVICE_KERNEL_RULES: Tuple[Tuple[str, Pattern[str]], ...] = (
     # the GEMM rules (the names hold "cutlass"); not a dense GEMM that FP8 layers replace.
     _rule("attention", r"flash|fmha|attention|sdpa"),
     # FP8 GEMMs: cuBLAS nvjet kernels with two 8-bit operands ("nvjet_sm90_qqtst_..." is
-    # torch._scaled_mm on the H100), cuBLAS/CUTLASS GEMMs on e4m3/e5m2, FBGEMM's f8f8bf16, this
-    # project's Triton FP8 GEMM.
+    # torch._scaled_mm on the H100 with e4m3 operands; "qrtst" / "rqtst" pair e4m3 with e5m2, as
+    # Transformer Engine's backward GEMMs do), cuBLAS/CUTLASS GEMMs on e4m3/e5m2, FBGEMM's f8f8bf16,
+    # this project's Triton FP8 GEMM.
     _rule(
         "gemm_fp8",
-        r"nvjet_(sm\d+_)?qq|qqtst|gemm\w*(e4m3|e5m2)|(e4m3|e5m2)\w*gemm|f8f8|scaled_?mm|"
+        r"nvjet_(sm\d+_)?qq|[qr][qr]tst|gemm\w*(e4m3|e5m2)|(e4m3|e5m2)\w*gemm|f8f8|scaled_?mm|"
         + "|".join(PROJECT_GEMM_KERNELS),
     ),
     # Other libraries' FP8 quantization: FBGEMM's quantize_fp8_row / FP8rowwise, Transformer
