@@ -115,6 +115,7 @@ class BaselineReport:
         skipped: ``(fqn, reason)`` of each ``nn.Linear`` left as it was.
         versions: the library's version, e.g. ``{"torchao": "0.16.0"}``.
         graphed: ``te`` with ``cuda_graphs``: name -> :class:`TeGraphedCall` of each dense module.
+        fp8_recipe: ``te``: the Transformer Engine recipe object the autocast and the graphs use.
     """
 
     config: BaselineConfig

@@ -34,7 +34,7 @@ from loka_job.training.memory_trend import MemoryTrend
 from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.profiling import StepProfiler, profile_summary
 
-__all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_vs_loka", "step_time_stats"]
+__all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job", "check_baseline_vs_loka", "step_time_stats"]
 
 logger = logging.getLogger("loka_job.train")
 
@@ -55,9 +55,9 @@ def check_baseline_in_job(baseline: BaselineConfig) -> None:
 
     Under ``DistributedModelParallel`` the dense parameters are wrapped by DDP, which makes their
     gradient accumulators on the default stream; TE's ``make_graphed_callables`` captures the
-    backward on a side stream, and accumulating there into those parameters failed on an H100
-    (``cudaErrorStreamCaptureImplicit``: the legacy stream made to wait on the capture). The
-    graphs run on the dense part alone (``benchmarks/dense_part_step.py``, runs ``te*_graphed``).
+    backward on a side stream, where accumulating into those parameters makes the legacy stream
+    wait on the capture, which CUDA refuses (``cudaErrorStreamCaptureImplicit``). The graphs run
+    on the dense part alone (``benchmarks/dense_part_step.py``, runs ``te*_graphed``).
     """
     if baseline.cuda_graphs:
         raise ValueError(
