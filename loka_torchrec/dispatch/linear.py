@@ -54,9 +54,9 @@ inside the graph (a non-finite gradient still shows as NaN weight gradients, and
 steps count it).
 
 **Shapes a backend cannot take.** Checked once per plan (``GemmBackend.check``). Where the
-backend needs dims that are multiples of an alignment (16 for ``torch._scaled_mm`` on CUDA, 128 for
-Transformer Engine's blockwise tiles; ``GemmBackend.alignment``), the operands are zero-padded: zeros add nothing to a dot product and change no amax, so the result
-is exact. A kernel that cannot run even padded runs that GEMM in high precision, with the reason
+backend needs dims that are multiples of an alignment (``GemmBackend.alignment``: 16 for
+``torch._scaled_mm`` on CUDA, 128 for Transformer Engine's blockwise tiles), the operands are
+zero-padded: zeros add nothing to a dot product and change no amax, so the result is exact. A kernel that cannot run even padded runs that GEMM in high precision, with the reason
 in :attr:`LokaLinear.fallback_reasons`.
 
 When every GEMM runs in high precision and the input has the high-precision dtype (fp32 on the
