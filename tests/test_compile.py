@@ -269,3 +269,77 @@ def test_a_plan_without_fp8_drops_the_recorded_dense_inputs(tmp_path):
             assert loka.dense_inputs is not None and not loka.dense_inputs.recorded
     loka.close()
     assert not loka.dense_inputs.recorded
+
+
+def _inductor_code(fn) -> list:
+    """The Inductor output code ``fn()`` compiles (forward and backward graphs), with the names that
+    differ from compile to compile (graph ids, cache paths) taken out, in a stable order."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    _, codes = run_and_get_code(fn)
+    scrub = [(r"AOT ID: \[.*?\]", "AOT ID"), (r"# kernel path: .*", ""), (r"/tmp/\S+", "PATH")]
+    out = []
+    for code in codes:
+        for pattern, repl in scrub:
+            code = re.sub(pattern, repl, code)
+        out.append(code)
+    return sorted(out)
+
+
+def _small_recsys(kind: str):
+    """A CPU-sized DHEN- or HSTU-style model with a batch for it (the project's job's models)."""
+    from torchrec import KeyedJaggedTensor
+
+    from loka_job.models.dhen import DhenConfig, build_dhen
+    from loka_job.models.hstu import HstuConfig, build_hstu
+    from loka_job.training.data_spec import DataSpec, TableSpec
+
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    if kind == "dhen":
+        spec = DataSpec(num_dense=5, tables=tuple(TableSpec(f"t{i}", f"f{i}", 50, 32, 2) for i in range(4)))
+        lengths = torch.randint(0, 4, (4 * 32,))
+        kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(4)], torch.randint(0, 50, (int(lengths.sum()),)), lengths)
+        return build_dhen(DhenConfig.small(), spec, cpu, embedding_device=cpu), (torch.randn(32, 5), kjt)
+    spec = DataSpec(num_dense=3, tables=(
+        TableSpec("t_item", "hist_item", 40, 32, pooling_factor=6, sequence=True),
+        TableSpec("t_item", "cand_item", 40, 32, pooling_factor=1, sequence=True),
+    ))  # fmt: skip
+    lengths = torch.tensor([3, 6, 1, 0, 5, 2] + [1] * 6)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["hist_item", "cand_item"], torch.randint(0, 40, (int(lengths.sum()),)), lengths)
+    return build_hstu(HstuConfig.small(), spec, cpu, embedding_device=cpu), (torch.randn(6, 3), kjt)
+
+
+@pytest.mark.parametrize("kind", ["dhen", "hstu"])
+def test_a_plan_without_fp8_compiles_to_the_plain_models_code(kind, tmp_path):
+    """Where LoKA's plan keeps every GEMM in bf16, its compiled step is the plain model's: the same
+    Inductor kernels and calls, forward and backward, after the Probe's eager steps and the plan."""
+    plain, batch = _small_recsys(kind)
+    converted = copy.deepcopy(plain)
+
+    def step(model):
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(*batch)
+            logits.float().square().mean().backward()
+        return run
+
+    compile_dense(plain, "default")
+    expected = _inductor_code(step(plain))
+    torch._dynamo.reset()
+    config = loka_torchrec.LokaConfig.from_dict({
+        "enabled": True, "probe": {"warmup_steps": 1, "every": 1},
+        "dispatch": {"candidates": ["scaled_mm:tensorwise"], "min_speedup": 1000.0, "layer_check_reps": 0},
+    })  # fmt: skip
+    loka = loka_torchrec.prepare(converted, config, run_dir=str(tmp_path), compile="default", device="cpu")
+    with loka.step(1):  # the Probe's step, eager; the plan is made at its end
+        step(converted)()
+    assert loka.dispatcher.plan.step == 1 and loka.dispatcher.plan.fp8_gemm_count() == 0
+    assert len(loka.dispatcher.plan.layers) > 5
+    with loka.step(2):
+        got = _inductor_code(step(converted))
+    loka.close()
+    assert len(got) == len(expected) >= 2
+    assert got == expected
