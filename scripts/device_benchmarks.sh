@@ -41,7 +41,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv
 case $stage in
   gpu_tests)
     shift
-    timeout $(( $(left) - 10 )) python3 -P -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts= "${@:-tests}" \
+    timeout $(( $(left) - 10 )) python3 -P -m pytest -q -m gpu -rfEs --log-level=WARNING -p no:cacheprovider -o addopts= "${@:-tests}" \
       > "$WORK/pytest-gpu.log" 2>&1
     echo "=== gpu tests: rc=$?"
     tail -c 60000 "$WORK/pytest-gpu.log" > "$OUT/gpu-tests.txt"

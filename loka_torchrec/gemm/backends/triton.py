@@ -31,6 +31,9 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class TritonBackend(GemmBackend):
     name = "triton"
     recipes = ("tensorwise", "rowwise")
+    # Compiled, LokaLinear quantizes with torch ops that Inductor fuses, and the GEMM is the
+    # ``loka::fp8_gemm`` op (a fake implementation gives Dynamo its output shape).
+    compile_recipes = recipes
     devices = ("cuda",)
     fused_quantize = True
     # Not offered by `auto`: where measured, its GEMM was slower than cuBLAS's (scaled_mm) at LRM
