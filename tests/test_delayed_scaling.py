@@ -256,9 +256,9 @@ def test_a_candidate_given_an_amax_quantizes_as_the_compiled_layer():
     rowwise = resolve_candidate(KernelChoice("scaled_mm", "rowwise"), GemmRole.FORWARD, GemmShape(32, 64, 16), "cpu")
     assert torch.equal(rowwise.gemm(x, w, torch.float32, (amax, None)), rowwise.gemm(x, w, torch.float32))
     # Kernels that do not run compiled never run with delayed scales: refused, with the reason.
-    triton = CandidateRun(KernelChoice("triton", "tensorwise"), recipe_for("tensorwise", GemmRole.FORWARD))
-    with pytest.raises(ValueError, match="run compiled"):
-        triton.gemm(x, w, torch.float32, (amax, None))
+    te = CandidateRun(KernelChoice("te", "tensorwise"), recipe_for("tensorwise", GemmRole.FORWARD))
+    with pytest.raises(ValueError, match="te:tensorwise: a given amax .* run compiled; te:tensorwise does not trace"):
+        te.gemm(x, w, torch.float32, (amax, None))
 
 
 def _growing_input_snapshot() -> LayerSnapshot:
