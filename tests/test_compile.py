@@ -1,12 +1,17 @@
 """LoKA under ``torch.compile`` (CPU inductor): whole graphs, no recompiles, plans that survive any shape."""
 
 import copy
+import re
 
 import pytest
 import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import test_models_dhen
+import test_models_hstu
 
 import loka_torchrec
 from loka_torchrec.compile import compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode
@@ -274,10 +279,6 @@ def test_a_plan_without_fp8_drops_the_recorded_dense_inputs(tmp_path):
 def _inductor_code(fn) -> list:
     """The Inductor output code ``fn()`` compiles (forward and backward graphs), with the names that
     differ from compile to compile (graph ids, cache paths) taken out, in a stable order."""
-    import re
-
-    from torch._inductor.utils import run_and_get_code
-
     _, codes = run_and_get_code(fn)
     scrub = [(r"AOT ID: \[.*?\]", "AOT ID"), (r"# kernel path: .*", ""), (r"/tmp/\S+", "PATH")]
     out = []
@@ -289,27 +290,11 @@ def _inductor_code(fn) -> list:
 
 
 def _small_recsys(kind: str):
-    """A CPU-sized DHEN- or HSTU-style model with a batch for it (the project's job's models)."""
-    from torchrec import KeyedJaggedTensor
-
-    from loka_job.models.dhen import DhenConfig, build_dhen
-    from loka_job.models.hstu import HstuConfig, build_hstu
-    from loka_job.training.data_spec import DataSpec, TableSpec
-
-    torch.manual_seed(0)
-    cpu = torch.device("cpu")
+    """A CPU-sized DHEN- or HSTU-style model with a batch for it (the model tests' helpers)."""
     if kind == "dhen":
-        spec = DataSpec(num_dense=5, tables=tuple(TableSpec(f"t{i}", f"f{i}", 50, 32, 2) for i in range(4)))
-        lengths = torch.randint(0, 4, (4 * 32,))
-        kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(4)], torch.randint(0, 50, (int(lengths.sum()),)), lengths)
-        return build_dhen(DhenConfig.small(), spec, cpu, embedding_device=cpu), (torch.randn(32, 5), kjt)
-    spec = DataSpec(num_dense=3, tables=(
-        TableSpec("t_item", "hist_item", 40, 32, pooling_factor=6, sequence=True),
-        TableSpec("t_item", "cand_item", 40, 32, pooling_factor=1, sequence=True),
-    ))  # fmt: skip
-    lengths = torch.tensor([3, 6, 1, 0, 5, 2] + [1] * 6)
-    kjt = KeyedJaggedTensor.from_lengths_sync(["hist_item", "cand_item"], torch.randint(0, 40, (int(lengths.sum()),)), lengths)
-    return build_hstu(HstuConfig.small(), spec, cpu, embedding_device=cpu), (torch.randn(6, 3), kjt)
+        return test_models_dhen._model(), test_models_dhen._batch(test_models_dhen._spec(), batch=32)
+    kjt = test_models_hstu._kjt([[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [], [11, 12, 13, 14, 15], [16, 17]], [20, 21, 22, 23, 24, 25])
+    return test_models_hstu._model(), (torch.randn(6, 3), kjt)
 
 
 @pytest.mark.parametrize("kind", ["dhen", "hstu"])
