@@ -304,12 +304,8 @@ else:
         ``loka::fp8_gemm`` op) and computes, forward and backward, what the compiled ``scaled_mm``
         plan computes from the same FP8 operands (only the summation order differs; that plan is held to
         its eager self in ``test_compile.py``, and the eager one to float64 in ``test_linear.py``)."""
-        import torch._dynamo
-        from torch import nn
+        from compiled_plans import compiled_over_arch_step
 
-        import loka_torchrec
-        from loka_torchrec.compile import compile_dense
-        from loka_torchrec.dispatch import DispatchConfig
         from loka_torchrec.gemm.backends import get_backend
         from loka_torchrec.gemm.backends.base import Availability
 
@@ -318,17 +314,7 @@ else:
         monkeypatch.setattr(backend, "_probe", lambda self, device: Availability(True))
         monkeypatch.setattr(get_backend("triton"), "_availability", {})
         assert get_backend("triton").compile_reason(recipe) is None  # offered to compiled plans
-        results = {}
-        for name in ("triton", "scaled_mm"):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = nn.ModuleDict({"over_arch": nn.Sequential(nn.Linear(40, 32), nn.ReLU(), nn.Linear(32, 8))})
-            loka_torchrec.apply(model, DispatchConfig(mode=f"all:{name}:{recipe}", forward_scaling="current"))
-            compile_dense(model, "default")
-            x = torch.randn(24, 40, generator=torch.Generator().manual_seed(1), requires_grad=True)
-            y = model["over_arch"](x)
-            y.square().mean().backward()
-            results[name] = (y.detach(), x.grad, model["over_arch"][0].weight.grad)
+        results = {name: compiled_over_arch_step(f"{name}:{recipe}") for name in ("triton", "scaled_mm")}
         for got, want in zip(results["triton"], results["scaled_mm"]):
             assert got is not None and torch.isfinite(got).all()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

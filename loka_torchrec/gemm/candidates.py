@@ -44,9 +44,10 @@ class CandidateRun:
         """``A (M, K) @ B (N, K)^T`` through the candidate, quantization (and padding) included.
 
         ``amax``: for ``A`` and ``B``, ``None`` (scaled by its own amax) or a 0-d amax that scales
-        it instead (delayed scaling), where the recipe quantizes that operand tensorwise; it is
-        quantized then as a compiled ``LokaLinear`` quantizes it (:func:`loka_torchrec.fp8.quantize`
-        with ``amax``), so only backends that run compiled take one (``ValueError`` otherwise).
+        it instead (delayed scaling), where the recipe quantizes that operand tensorwise. Given
+        one, both operands are quantized as a compiled ``LokaLinear`` quantizes them
+        (:func:`loka_torchrec.fp8.quantize`, with ``amax`` where given), so only backends that run
+        compiled take one (``ValueError`` otherwise).
         """
         m, n = a.shape[0], b.shape[0]
         if self.align > 1:
@@ -66,8 +67,8 @@ class CandidateRun:
             if problem is not None:
                 raise ValueError(f"{self.choice}: a given amax (delayed scaling) is for kernels that run compiled; {problem}")
             ops = [
-                backend.quantize(t, spec, name=name) if given_amax is None else
-                quantize(t, spec.fmt, spec.granularity, power_of_two=spec.power_of_two, nonfinite="propagate", name=name, amax=given_amax)
+                quantize(t, spec.fmt, spec.granularity, block=spec.block, power_of_two=spec.power_of_two, nonfinite="propagate", name=name,
+                         amax=given_amax)
                 for t, spec, name, given_amax in ((a, self.recipe.a, "A", given[0]), (b, self.recipe.b, "B", given[1]))
             ]  # fmt: skip
             out = backend.mm(ops[0], ops[1], self.recipe, out_dtype)
