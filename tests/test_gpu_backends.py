@@ -23,7 +23,7 @@ from loka_torchrec.gemm.backends.base import Availability
 from loka_torchrec.gemm.recipes import OperandSpec, recipe_for
 from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.gemm.candidates import resolve_candidate
-from loka_torchrec.fp8 import Fp8Format, Granularity
+from loka_torchrec.fp8 import Fp8Format, Granularity, quantize
 from loka_torchrec.kernels.fp8_gemm import fp8_gemm_error_bound
 
 GPU_BACKENDS = {
@@ -188,10 +188,7 @@ def test_a_model_planned_on_te_compiles_whole_and_hands_te_the_compiled_operands
 
 def test_te_refuses_operands_it_cannot_read_as_codes():
     te = backends.get_backend("te")
-    spec = OperandSpec(Fp8Format.E4M3, Granularity.ROWWISE)
-    from loka_torchrec.fp8 import quantize
-
-    rowwise = quantize(torch.randn(16, 16), spec.fmt, spec.granularity)
+    rowwise = quantize(torch.randn(16, 16), Fp8Format.E4M3, Granularity.ROWWISE)
     tensorwise = quantize(torch.randn(16, 16), Fp8Format.E4M3, Granularity.TENSORWISE)
     with pytest.raises(ValueError, match="operand a must be a tensorwise Fp8Tensor like the other, got rowwise"):
         te.mm(rowwise, tensorwise, recipe_for("tensorwise", GemmRole.FORWARD), torch.bfloat16)
