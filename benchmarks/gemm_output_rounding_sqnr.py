@@ -4,8 +4,8 @@ Two FP8 plans of one model can compute the same products and still disagree: ``t
 rowwise GEMM writes bf16 on CUDA where the project's Triton GEMM writes float32, and every GEMM
 output that is quantized again (a hidden activation, a gradient in the backward) turns that small
 difference into flipped FP8 roundings. This script measures the effect on the CPU, where
-``scaled_mm`` writes float32: the model of ``tests/test_kernels_gpu.py``'s Triton test (512 -> 256
--> ReLU -> 128, 1024 rows), every GEMM planned ``scaled_mm:<recipe>``, run once as it is and once
+``scaled_mm`` writes float32: the model of the compiled-plan GPU test in ``tests/test_gpu_backends.py``
+(512 -> 256 -> ReLU -> 128, 1024 rows), every GEMM planned ``scaled_mm:<recipe>``, run once as it is and once
 with each GEMM's output rounded to bf16; it reports the SQNR (dB) of the second run's output and of
 its first layer's weight gradient against the first's. Example::
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import loka_torchrec
+from loka_torchrec.atomic_files import write_text_atomic
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.fp8.error_metrics import sqnr_db
 from loka_torchrec.gemm.backends import get_backend
@@ -72,7 +73,7 @@ def main(argv: List[str] = None) -> int:
     ])  # fmt: skip
     out = Path(args.out).with_suffix(".md")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    write_text_atomic(out, text)
     print(text)
     return 0
 
