@@ -72,8 +72,27 @@ def resolve_compile_mode(mode: str, device: "torch.device | str") -> Optional[st
     return None if mode == "none" else mode
 
 
+def _table_types() -> Tuple[type, ...]:
+    """Embedding-table module types: PyTorch's, and TorchRec's collections (plain and sharded)."""
+    types_: List[type] = [nn.Embedding, nn.EmbeddingBag]
+    try:
+        from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+        from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, EmbeddingCollectionInterface
+
+        types_ += [EmbeddingBagCollectionInterface, EmbeddingCollectionInterface, ShardedEmbeddingModule]
+    except ImportError:  # no TorchRec: PyTorch's tables only
+        pass
+    return tuple(types_)
+
+
 def _is_table(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or "Embedding" in type(module).__name__
+    """An embedding table (or collection of them). A user's module that merely has "Embedding" in
+    its name and holds a dense layer beside its tables is not one: it is searched like any module
+    with tables inside, so that its dense layers compile. Other table kinds (a library's own
+    collection) are recognised by their name when they hold no ``nn.Linear``."""
+    if isinstance(module, _table_types()):
+        return True
+    return "Embedding" in type(module).__name__ and not any(isinstance(m, nn.Linear) for m in module.modules())
 
 
 def dense_modules(model: nn.Module, prefix: str = "") -> List[str]:

@@ -167,20 +167,27 @@ class Loka:
         return dispatch.mode == "policy" and dispatch.evidence == "random" and step <= dispatch.plan_at_step
 
     @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[None]:
+    def step(self, step: int, *, timed: bool = True) -> Iterator[None]:
         """Run one training step (numbered from 1) inside this block.
 
         Compiled modules run eagerly where :meth:`eager_at` says so; at the end of the block the
         step is reported (:meth:`step_end`) with its time: host time from the previous step's end
         (over a window, the loop's throughput; the step-time guard compares medians of these).
+        A block left by an exception (the data ran out) reports nothing.
+
+        Args:
+            step: the step's number, from 1.
+            timed: give the step's time to the step-time guard; ``False`` for a step whose time
+                holds other work (an evaluation or a checkpoint since the previous step, a profiler).
         """
         self.start()
         self.decide_comms()
-        with eager() if self.eager_at(step) else contextlib.nullcontext():
+        ran_eagerly = not self.compiled_modules or self.eager_at(step)
+        with eager() if ran_eagerly and self.compiled_modules else contextlib.nullcontext():
             yield
         now = time.perf_counter()
-        step_ms = None if self._last_step_end is None else 1e3 * (now - self._last_step_end)
-        self.step_end(step, step_ms=step_ms)
+        step_ms = None if self._last_step_end is None or not timed else 1e3 * (now - self._last_step_end)
+        self.step_end(step, step_ms=step_ms, ran_eagerly=ran_eagerly)
         self._last_step_end = time.perf_counter()  # planning work in step_end is not the next step's
 
     def _record_dense_inputs(self, step: int) -> None:
@@ -206,19 +213,23 @@ class Loka:
         self.dispatcher.check_gradients(functools.partial(inputs.loss, halves=True), step=step)
         inputs.clear()
 
-    def step_end(self, step: int, *, step_ms: Optional[float] = None) -> None:
+    def step_end(self, step: int, *, step_ms: Optional[float] = None, ran_eagerly: Optional[bool] = None) -> None:
         """Report the end of training step ``step`` (numbered from 1): the Probe merges and plans
         when due, Dispatch plans from random evidence when due, and ``step_ms`` (the step's wall
         time, if known) goes to the step-time guard. :meth:`step` calls it for you. ``"auto"``
         comms not decided yet are decided here (from the next step on; see :meth:`decide_comms`).
         Call it after the optimizer step: under CUDA graphs it also ends the step for them, and
-        the step's compiled outputs must not be read after it."""
+        the step's compiled outputs must not be read after it. ``ran_eagerly``: whether the step ran
+        its compiled modules eagerly (``None``: as :meth:`eager_at` says, which :meth:`step` follows);
+        only such a step shows Dispatch which sites run."""
+        if ran_eagerly is None:
+            ran_eagerly = not self.compiled_modules or self.eager_at(step)
         self.start()
         self.decide_comms()
         plan = self.dispatcher.plan
         if self.dense_inputs is not None:
             self.dense_inputs.stop()
-        self.dispatcher.on_step_end(step)
+        self.dispatcher.on_step_end(step, ran_eagerly=ran_eagerly)
         if self.probe is not None:
             self.probe.on_step_end(step)
         made = self.dispatcher.plan  # a policy plan made at this step has its step number

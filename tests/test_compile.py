@@ -10,6 +10,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
+import outside_models
 import test_models_dhen
 import test_models_hstu
 
@@ -290,14 +291,26 @@ def _inductor_code(fn) -> list:
 
 
 def _small_recsys(kind: str):
-    """A CPU-sized DHEN- or HSTU-style model with a batch for it (the model tests' helpers)."""
+    """A CPU-sized model of the zoo with a batch for it: the project's DHEN, HSTU and Wukong (the model
+    tests' helpers), and a Wukong written as outside users write it (``outside_models``)."""
     if kind == "dhen":
         return test_models_dhen._model(), test_models_dhen._batch(test_models_dhen._spec(), batch=32)
+    if kind == "wukong":
+        from loka_job.models.wukong import WukongConfig, build_wukong
+
+        spec = test_models_dhen._spec(dim=16)
+        torch.manual_seed(0)
+        return build_wukong(WukongConfig.small(), spec, torch.device("cpu"), embedding_device=torch.device("cpu")), (
+            test_models_dhen._batch(spec, batch=32))  # fmt: skip
+    if kind == "outside_wukong":
+        torch.manual_seed(0)
+        model = outside_models.UserWukong()
+        return model, model.batch(32)
     kjt = test_models_hstu._kjt([[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [], [11, 12, 13, 14, 15], [16, 17]], [20, 21, 22, 23, 24, 25])
     return test_models_hstu._model(), (torch.randn(6, 3), kjt)
 
 
-@pytest.mark.parametrize("kind", ["dhen", "hstu"])
+@pytest.mark.parametrize("kind", ["dhen", "hstu", "wukong", "outside_wukong"])
 def test_a_plan_without_fp8_compiles_to_the_plain_models_code(kind, tmp_path):
     """Where LoKA's plan keeps every GEMM in bf16, its compiled step is the plain model's: the same
     Inductor kernels and calls, forward and backward, after the Probe's eager steps and the plan."""

@@ -51,9 +51,10 @@ def _model_name(recipe):
 
 def test_every_model_has_a_small_and_a_large_recipe():
     assert set(RECIPES) == {
-        "dlrm", "dcn", "dhen", "hstu", "dlrm_large", "dcn_large", "dhen_large", "hstu_large", "dhen_xl", "hstu_xl",
+        "dlrm", "dcn", "dhen", "hstu", "wukong", "dlrm_large", "dcn_large", "dhen_large", "hstu_large", "wukong_large",
+        "dhen_xl", "hstu_xl", "wukong_xl",
     }  # fmt: skip
-    assert set(MODEL_NAMES()) == {"dlrm", "dcn", "dhen", "hstu"}
+    assert set(MODEL_NAMES()) == {"dlrm", "dcn", "dhen", "hstu", "wukong"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -120,6 +121,22 @@ def test_large_dhen_has_the_documented_shape():
     assert model.over_arch.num_tokens == 8  # 7 pooled features + the dense token
     assert model.config.embedding_dim == 256
     assert (2048, 512) in _gemm_shapes(model)  # a layer's fused entry (cross V + linear map)
+
+
+def test_wukong_recipes_are_the_config_presets_and_xl_has_the_documented_shape():
+    from loka_job.models.wukong import WukongConfig
+
+    for recipe, preset in (("wukong", "small"), ("wukong_large", "large"), ("wukong_xl", "xl")):
+        options = dict(compose(f"model={recipe}")["model"])
+        options.pop("name")
+        assert WukongConfig.from_options(options) == getattr(WukongConfig, preset)()
+    cfg = compose("model=wukong_xl")
+    model = build(cfg)
+    shapes = _gemm_shapes(model)
+    assert cfg["data"]["batch_size"] == 8192 and model.over_arch.layers[0].fmb.projection.shape == (64, 24)
+    assert shapes.count((4096, 4096)) == 6 * 2 + 1 and (1536, 4096) in shapes and (8192, 4096) in shapes
+    # the GEMMs are in nn.Linear layers and in raw Parameters (the FMB projection, the LCB)
+    assert sum(isinstance(m, nn.Linear) for m in model.modules()) == 6 * 3 + 3 + 2
 
 
 def test_xl_recipes_have_the_documented_shape():

@@ -239,3 +239,21 @@ def test_deterministic_runs_repeat_exactly_and_say_so(tmp_path):
         from loka_job.training.trainer import TrainConfig
 
         TrainConfig(deterministic="yes")
+
+
+@pytest.mark.slow
+def test_wukong_compiled_with_the_probe_reaches_every_gemm_through_the_job(tmp_path):
+    """The reference job drives LoKA through ``Loka.step`` (the README's loop): under compile, with a
+    probe cadence longer than a step (steps 1-4 run compiled), the plan manages every GEMM of the
+    Wukong model, raw-Parameter token mixing included, and the step compiles without graph breaks."""
+    run_dir = tmp_path / "run"
+    extra = ["model=wukong", "model.num_layers=1", "loka.probe.enabled=true", "loka.probe.warmup_steps=10",
+             "loka.probe.every=5", "train.compile=default"]  # fmt: skip
+    proc = launch(run_dir, *extra, base=FAST_RECIPE)
+    assert "loka-torchrec run summary" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["compile"]["mode"] == "default" and summary["compile"]["graph_breaks"] == 0, summary["compile"]
+    plan = json.loads((run_dir / "dispatch_plan.json").read_text())
+    assert plan["never_ran"] == {} and plan["coverage"]["share"] == 1.0 and plan["coverage"]["ran_checked"]
+    assert {"over_arch.layers.0.fmb.projection", "over_arch.layers.0.lcb.weight"} <= set(plan["layers"])
+    assert summary["loka"]["fp8_gemms"] > 0

@@ -1,4 +1,4 @@
-"""Model builders by name: ``dlrm`` and ``dcn`` (TorchRec's own), ``dhen`` and ``hstu``.
+"""Model builders by name: ``dlrm`` and ``dcn`` (TorchRec's own), ``dhen``, ``hstu`` and ``wukong``.
 
 Every model maps ``(dense_features (B, num_dense), sparse_features KeyedJaggedTensor)`` to click
 logits of shape ``(B,)``. Builders take the model's section of the recipe (a plain dict), the
@@ -179,6 +179,19 @@ def build_hstu_model(options: Dict[str, Any], spec: DataSpec, device: torch.devi
     from loka_job.models.hstu import HstuConfig, build_hstu
 
     return _build_from_config(options, spec, device, "hstu", "sequence", "sequence data", HstuConfig, build_hstu)
+
+
+@register_model("wukong")
+def build_wukong_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """The Wukong-style model (:mod:`loka_job.models.wukong`) on pooled data.
+
+    ``options`` are :class:`~loka_job.models.wukong.WukongConfig` fields (plus an optional
+    ``preset``: ``small``/``large``/``xl``); ``embedding_dim`` defaults to, and must equal,
+    ``data.embedding_dim``. Needs ``data.kind=pooled``.
+    """
+    from loka_job.models.wukong import WukongConfig, build_wukong
+
+    return _build_from_config(options, spec, device, "wukong", "pooled", "pooled sparse features", WukongConfig, build_wukong)
 
 
 def _build_from_config(options, spec, device, model: str, kind: str, needs: str, config_cls, build) -> nn.Module:

@@ -38,26 +38,13 @@ from torch import nn
 
 from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
+from loka_job.models.options import config_from_options, int_tuple, pooled_token_tables, positive_int
 from loka_job.training.data_spec import DataSpec
 
 __all__ = ["INTERACTIONS", "ENSEMBLES", "DhenConfig", "DhenLayer", "DhenOverArch", "Dhen", "build_dhen", "token_split"]
 
 INTERACTIONS: Tuple[str, ...] = ("dot", "self_attention", "cross", "linear")
 ENSEMBLES: Tuple[str, ...] = ("concat", "sum")
-
-
-def _positive_int(value: Any, field: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DhenConfig.{field} must be an int >= 1, got {value!r}")
-
-
-def _int_tuple(value: Any, field: str) -> Tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"DhenConfig.{field} must be a sequence of ints, got {type(value).__name__}")
-    values = tuple(value)
-    for i, v in enumerate(values):
-        _positive_int(v, f"{field}[{i}]")
-    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +83,9 @@ class DhenConfig:
 
     def __post_init__(self) -> None:
         for field in ("embedding_dim", "num_layers", "dot_hidden", "attention_heads", "cross_rank"):
-            _positive_int(getattr(self, field), field)
-        object.__setattr__(self, "dense_hidden", _int_tuple(self.dense_hidden, "dense_hidden"))
-        object.__setattr__(self, "head_hidden", _int_tuple(self.head_hidden, "head_hidden"))
+            positive_int(getattr(self, field), field, "DhenConfig")
+        object.__setattr__(self, "dense_hidden", int_tuple(self.dense_hidden, "dense_hidden", "DhenConfig"))
+        object.__setattr__(self, "head_hidden", int_tuple(self.head_hidden, "head_hidden", "DhenConfig"))
         if isinstance(self.interactions, str):
             raise TypeError("DhenConfig.interactions must be a sequence of names, got a string")
         interactions = tuple(self.interactions)
@@ -155,17 +142,7 @@ class DhenConfig:
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "DhenConfig":
         """From a plain mapping: ``preset`` (``"small"``/``"large"``/``"xl"``, default small) plus overrides."""
-        values = dict(options or {})
-        preset = values.pop("preset", "small")
-        presets = {"small": cls.small, "large": cls.large, "xl": cls.xl}
-        if preset not in presets:
-            raise ValueError(f"model.preset must be one of {sorted(presets)}, got {preset!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"model: unknown DHEN option(s) {unknown}; expected some of {sorted(known)}")
-        values = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
-        return dataclasses.replace(presets[preset](), **values)
+        return config_from_options(cls, options, "DHEN")
 
 
 def token_split(num_tokens: int, parts: int) -> Tuple[int, ...]:
@@ -442,29 +419,10 @@ def build_dhen(
         >>> model(torch.randn(2, 3), kjt).shape
         torch.Size([2])
     """
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
     if not isinstance(config, DhenConfig):
         raise TypeError(f"config must be a DhenConfig, got {type(config).__name__}")
     tables = spec.pooled_tables
-    if not tables:
-        raise ValueError("data: the DHEN model needs pooled (non-sequence) sparse features; the DataSpec has none")
-    for t in tables:
-        if t.embedding_dim != config.embedding_dim:
-            raise ValueError(
-                f"data.embedding_dim: table {t.name!r} is {t.embedding_dim} wide but DhenConfig.embedding_dim "
-                f"is {config.embedding_dim}; DHEN stacks the features, so they must match"
-            )
-    if len(tables) + (1 if spec.num_dense else 0) < 2:
+    if tables and len(tables) + (1 if spec.num_dense else 0) < 2:
         raise ValueError("data: DHEN needs at least two tokens (pooled features plus the dense token)")
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings, feature_names=[t.feature]
-            )
-            for t in tables
-        ],
-        device=torch.device("meta") if embedding_device is None else embedding_device,
-    )
+    ebc = pooled_token_tables(spec, config.embedding_dim, "DhenConfig", "DHEN", embedding_device)
     return Dhen(ebc, [t.feature for t in tables], spec.num_dense, config, device)

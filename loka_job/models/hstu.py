@@ -44,14 +44,10 @@ from torch import nn
 
 from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
+from loka_job.models.options import config_from_options, positive_int
 from loka_job.training.data_spec import DataSpec, TableSpec
 
 __all__ = ["HstuConfig", "JaggedLayout", "padded_token_count", "causal_silu_attention", "StuLayer", "HstuOverArch", "Hstu", "build_hstu"]
-
-
-def _positive_int(value: Any, field: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"HstuConfig.{field} must be an int >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +87,14 @@ class HstuConfig:
 
     def __post_init__(self) -> None:
         for field in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim"):
-            _positive_int(getattr(self, field), field)
+            positive_int(getattr(self, field), field, "HstuConfig")
         if isinstance(self.token_bucket, bool) or not isinstance(self.token_bucket, int) or self.token_bucket < 0:
             raise ValueError(f"HstuConfig.token_bucket must be an int >= 0 (0: no padding), got {self.token_bucket!r}")
         if isinstance(self.head_hidden, (str, bytes)) or not isinstance(self.head_hidden, Sequence):
             raise TypeError(f"HstuConfig.head_hidden must be a sequence of ints, got {type(self.head_hidden).__name__}")
         object.__setattr__(self, "head_hidden", tuple(self.head_hidden))
         for i, width in enumerate(self.head_hidden):
-            _positive_int(width, f"head_hidden[{i}]")
+            positive_int(width, f"head_hidden[{i}]", "HstuConfig")
         if not isinstance(self.candidate_feature, str) or not self.candidate_feature:
             raise ValueError(f"HstuConfig.candidate_feature must be a feature name, got {self.candidate_feature!r}")
 
@@ -136,17 +132,7 @@ class HstuConfig:
             >>> HstuConfig.from_options({"preset": "large", "num_layers": 2}).num_layers
             2
         """
-        values = dict(options or {})
-        preset = values.pop("preset", "small")
-        presets = {"small": cls.small, "large": cls.large, "xl": cls.xl}
-        if preset not in presets:
-            raise ValueError(f"model.preset must be one of {sorted(presets)}, got {preset!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"model: unknown HSTU option(s) {unknown}; expected some of {sorted(known)}")
-        values = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
-        return dataclasses.replace(presets[preset](), **values)
+        return config_from_options(cls, options, "HSTU")
 
 
 class JaggedLayout:

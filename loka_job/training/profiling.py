@@ -384,6 +384,10 @@ class StepProfiler:
         self._profile.start()
         self._t0 = time.perf_counter()
 
+    def covers(self, step: int) -> bool:
+        """Whether ``step`` is in the profiled window (and the window has not ended early)."""
+        return self.first_step <= step <= self.last_step and (self.running or self.report is None)
+
     def after_step(self, step: int) -> bool:
         """Note that ``step`` ran; stop after the window's last step. True when ``step`` was profiled."""
         if not self.running or not self.first_step <= step <= self.last_step:

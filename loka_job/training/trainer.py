@@ -21,7 +21,7 @@ from torch import nn
 
 from loka_job.baselines import BaselineConfig
 from loka_torchrec.compile import (
-    compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs, wants_static_shapes,
+    compile_dense, cuda_graph_stats, end_compiled_step, resolve_compile_mode, uses_cuda_graphs, wants_static_shapes,
 )
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
@@ -468,22 +468,25 @@ class Trainer:
         first_timed = cfg.timing_start or self.start_step + min(5, (cfg.steps - self.start_step) // 4)
         window_clock: Dict[str, float] = {}  # Unix times of the timed window's synchronized ends
         window_host: Dict[str, Dict[str, float]] = {}  # the host's counters at the same ends
+        clock_restarted = False  # other work (eval, checkpoint) ran since the previous step ended
         while step < cfg.steps:
             if profiler is not None:
                 profiler.before_step(step + 1)
             t0 = time.perf_counter() if cfg.step_sync else last_end
+            # LoKA drives each step as any job's loop does (Loka.step): eager probe steps, plans, the
+            # step-time guard (a profiled step, or one after an evaluation or checkpoint, is not timed).
+            timed = not clock_restarted and (profiler is None or not profiler.covers(step + 1))
             try:
-                with eager() if self.loka is not None and self.loka.eager_at(step + 1) else contextlib.nullcontext():
+                with self.loka.step(step + 1, timed=timed) if self.loka is not None else contextlib.nullcontext():
                     loss, logits, labels = self.pipeline.progress(batches)
             except StopIteration:
                 break
             step += 1
+            clock_restarted = False
             if not self._skipped_nonfinite(step):
                 self.train_metrics.update(logits, labels)
-            if self.loka is not None:
-                self.loka.step_end(step)  # step times go to the guard below, profiled steps left out
-            elif uses_cuda_graphs(self.compile_mode):
-                end_compiled_step()  # Loka.step_end does it when LoKA is on
+            if self.loka is None and uses_cuda_graphs(self.compile_mode):
+                end_compiled_step()  # Loka.step does it when LoKA is on
             self._show_plan_if_new(bar)
             if cuda and (cfg.step_sync or step in (first_timed, cfg.steps)):
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
@@ -494,12 +497,10 @@ class Trainer:
             seconds = last_end - t0
             profiled = profiler is not None and profiler.after_step(step)
             if profiled:  # a profiled step is slower: not timed; nor is the profiler's own work after it
-                last_end = self._restart_step_clock()
+                last_end, clock_restarted = self._restart_step_clock(), True
             else:
                 step_times.append(seconds)
                 timed_steps.append(step)
-                if self.loka is not None:  # the step-time guard: FP8 stays only if the step got faster
-                    self.loka.dispatcher.observe_step_time(step, 1e3 * seconds)
             allocated_gib = torch.cuda.memory_allocated(self.ctx.device) / 2**30 if cuda else None  # host-side: no sync
             if allocated_gib is not None:
                 growing = self.memory_trend.observe(step, allocated_gib)
@@ -517,10 +518,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record.get('train/ne', float('nan')):.4f}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
-                last_end = self._restart_step_clock()
+                last_end, clock_restarted = self._restart_step_clock(), True
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not self.nonfinite.consecutive:
                 self.save(step)  # never in a streak of non-finite steps: a checkpoint is a good state
-                last_end = self._restart_step_clock()
+                last_end, clock_restarted = self._restart_step_clock(), True
             if bar is not None:
                 bar.update(1)
         train_seconds = time.perf_counter() - wall0

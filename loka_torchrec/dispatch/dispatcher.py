@@ -332,13 +332,18 @@ class Dispatcher(EvidenceConsumer):
         return GuardVerdict(verdict.step, bf16_ms, fp8_ms, keep_fp8=fp8_ms <= bf16_ms * (1.0 + self._guard.tolerance))
 
     # ------------------------------------------------------------------ training-loop hook
-    def on_step_end(self, step: int) -> None:
+    def on_step_end(self, step: int, *, ran_eagerly: bool = True) -> None:
         """Call after each training step (``step`` counts from 1): plans from random evidence when due.
 
-        At the first step after which some site ran eagerly (``last_rows > 0``), the sites that did
-        not run are recorded as never ran (plan, ``dispatch_plan.json``, events).
+        Args:
+            step: the step that ended.
+            ran_eagerly: whether every site ran eagerly in it (no compiled module, or compiled
+                modules run in :func:`~loka_torchrec.compile.eager`). Only such a step shows which
+                sites run: a compiled call leaves no trace on the host. At the first one, the sites
+                that did not run are recorded as never ran (plan, ``dispatch_plan.json``, events).
         """
-        self._check_ran(step)
+        if ran_eagerly:
+            self._check_ran(step)
         if self.config.mode == "policy" and self.config.evidence in ("random", "auto") and step == self.config.plan_at_step:
             evidence = self.measure_random(seed=step)
             self.replan(evidence, source="random", step=step)
@@ -406,8 +411,9 @@ class Dispatcher(EvidenceConsumer):
         return dict(self._never_ran)
 
     def _check_ran(self, step: int) -> None:
-        # Compiled steps do not update last_rows; the first step after which any site has it is an
-        # eager one (the project's job runs its first steps eagerly), and it saw every site that runs.
+        # Called after an eager step only: compiled calls do not update last_rows, so a site that ran
+        # compiled would look as if it never ran (a step where only the sites outside the compiled
+        # modules ran eagerly must not decide). A step in which no site ran at all decides nothing.
         if self._ran_checked or not any(int(getattr(m, "last_rows", 0) or 0) for m in self._layers.values()):
             return
         self._ran_checked = True

@@ -211,13 +211,15 @@ def _oriented(site: GemmSite, layout: str, key: str) -> bool:
 
 def _linear(mode: "SiteMode", input, weight, bias=None):
     site = mode.site_of(weight)
-    if site is None or not _oriented(site, LINEAR, "F.linear"):
+    if site is None or _traced_plain(site) or not _oriented(site, LINEAR, "F.linear"):
         return NotImplemented
     return _call_site(site, input, bias)
 
 
 def _matmul(mode: "SiteMode", a, b):
     site = mode.site_of(b)
+    if site is not None and _traced_plain(site):
+        return NotImplemented
     if site is not None:
         if not _oriented(site, MATMUL, "x @ P"):
             return NotImplemented
@@ -226,6 +228,8 @@ def _matmul(mode: "SiteMode", a, b):
             return out if out is NotImplemented else out.squeeze(0)
         return _call_site(site, a, None)
     site = mode.site_of(a)
+    if site is not None and _traced_plain(site):
+        return NotImplemented
     if site is not None:  # P @ x = (x^T P^T)^T for an (out, in) Parameter and a 2-D x
         if not (torch.is_tensor(b) and b.dim() == 2) or not _oriented(site, LINEAR, "P @ x"):
             _note(site, "P @ x", "left operand with a non-2-D right operand")
@@ -241,7 +245,7 @@ def _rmatmul(mode: "SiteMode", p, other):
 
 def _addmm(mode: "SiteMode", input, mat1, mat2, *, beta=1, alpha=1):
     site = mode.site_of(mat2)
-    if site is None or not _oriented(site, MATMUL, "addmm"):
+    if site is None or _traced_plain(site) or not _oriented(site, MATMUL, "addmm"):
         return NotImplemented
     if alpha == 1 and beta == 1:
         return _call_site(site, mat1, input)
@@ -259,7 +263,7 @@ def _einsum(mode: "SiteMode", equation, *operands):
         return NotImplemented
     site = mode.site_of(operands[1])
     match = _EINSUM.match(equation)
-    if site is None or match is None:
+    if site is None or match is None or _traced_plain(site):
         return NotImplemented
     lhs, pw, out = match.groups()
     # x's subscripts "<lead>k", the weight's "kn" (matmul) or "nk" (linear), the output "<lead>n".
@@ -298,7 +302,7 @@ def _multi_head_attention(mode: "SiteMode", query, key, value, embed_dim_to_chec
                           static_k=None, static_v=None, average_attn_weights=True, is_causal=False):  # fmt: skip
     """``F.multi_head_attention_forward`` with its two projections on sites (self-attention only)."""
     in_site, out_site = mode.site_of(in_proj_weight), mode.site_of(out_proj_weight)
-    if in_site is None or out_site is None:
+    if in_site is None or out_site is None or _traced_plain(in_site, out_site):
         return NotImplemented
     unsupported = (
         "cross-attention (query is not key and value)" if not (query is key and key is value) else
@@ -361,6 +365,13 @@ _HANDLERS: Dict[Callable, Callable] = {
     torch.einsum: _einsum,
     F.multi_head_attention_forward: _multi_head_attention,
 }
+
+
+def _traced_plain(*sites: Optional[GemmSite]) -> bool:
+    """Whether the call is being traced with every site in high precision: then the model's own op
+    runs, so that a plan without FP8 compiles to the plain model's code (eager calls still go through
+    the site: its row count, the Probe's hooks and the amax history see them)."""
+    return compiling() and all(site is not None and site.plan.all_high_precision for site in sites)
 
 
 class SiteMode(TorchFunctionMode):

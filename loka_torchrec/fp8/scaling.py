@@ -262,7 +262,10 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         x = x.t()  # the contiguous dim last: a transposed view's amax is the tensor's
     cols = x.shape[1]
     if _AMAX_ORDER == "chunks" and x.stride(1) == 1 and cols % _AMAX_CHUNK == 0:
-        return x.unflatten(1, (cols // _AMAX_CHUNK, _AMAX_CHUNK)).abs().amax(dim=2).amax(dim=1).amax()
+        # reshape, not Tensor.unflatten: unflatten is Python code ending in super().unflatten(), which
+        # Dynamo (torch 2.11) refuses to trace inside a torch-function mode (a Parameter site's scope)
+        chunks = x.reshape(x.shape[0], cols // _AMAX_CHUNK, _AMAX_CHUNK)
+        return chunks.abs().amax(dim=2).amax(dim=1).amax()
     if _AMAX_ORDER == "rows" and x.stride(1) == 1:
         return x.abs().amax(dim=1).amax()
     return x.abs().amax()

@@ -1,0 +1,83 @@
+"""Reach on models LoKA was not written for: the README's loop under ``torch.compile`` manages every GEMM.
+
+The model is a Wukong written as outside users write it (``outside_models.UserWukong``): its
+``Embedding`` module holds a dense ``nn.Linear`` beside the sparse table, its token-mixing GEMMs
+multiply raw Parameters, its MLPs are ``nn.Linear`` + ``nn.BatchNorm1d``. The Probe's cadence is
+longer than one step, so the first steps run compiled and only the probe steps run eagerly.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+import outside_models
+
+import loka_torchrec
+from loka_torchrec.compile import dense_modules
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _readme_loop(model, config, run_dir, steps, compile="default"):
+    """The README's loop: ``prepare``, then ``with loka.step(step)`` around each training step."""
+    loka = loka_torchrec.prepare(model, config, run_dir=str(run_dir), compile=compile, device="cpu")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(1, steps + 1):
+        with loka.step(step):
+            logits = model(*model.batch(32, seed=step)).squeeze(-1)
+            F.binary_cross_entropy_with_logits(logits, torch.rand(32)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return loka
+
+
+def _config(**probe):
+    return loka_torchrec.LokaConfig.from_dict({
+        "enabled": True, "probe": {"every": 5, "warmup_steps": 10, **probe},
+        # a CPU is not faster in FP8: the speed gates off, so that the plan shows where FP8 can go
+        "dispatch": {"min_speedup": 0.0, "layer_check_reps": 0, "grad_check": False},
+    })  # fmt: skip
+
+
+def test_a_module_named_embedding_with_a_dense_layer_is_not_a_table():
+    """The dense layer inside the user's ``Embedding`` compiles; the sparse table beside it does not."""
+    model = outside_models.UserWukong()
+    assert dense_modules(model) == ["embedding.dense", "interaction", "head"]
+
+
+def test_the_readme_loop_under_compile_reaches_every_gemm_of_an_outside_wukong(tmp_path):
+    model = outside_models.UserWukong()
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    parameters = [n for n, p in model.named_parameters() if p.dim() == 2 and "sparse" not in n]
+    loka = _readme_loop(model, _config(), tmp_path, steps=12)
+    loka.close()
+    assert loka.compiled_modules == ["embedding.dense", "interaction", "head"]
+    plan = loka.dispatcher.plan
+    assert plan.step == 9  # planned at the end of the warm-up, from the probe steps 5 and ...
+    assert plan.never_ran == {}
+    assert plan.coverage["ran_checked"] is True
+    assert plan.coverage["share"] == 1.0 and plan.coverage["unreached"] == {}
+    # every nn.Linear and every token-mixing Parameter is a site with a plan, and runs FP8 somewhere
+    assert set(linears) <= set(plan.layers)
+    assert {n for n in parameters if n.endswith("weight") and "mlp" not in n and "head" not in n
+            and "dense" not in n} <= set(plan.layers)  # fmt: skip
+    assert plan.fp8_gemm_count() > len(plan.layers)
+
+
+def test_a_compiled_first_step_does_not_decide_what_never_ran(tmp_path):
+    """Step 1 runs compiled; only the eager step-5 probe shows which sites run (the dense layer in the
+    user's ``Embedding`` runs in every step, but alone it must not make the compiled sites look idle)."""
+    model = outside_models.UserWukong()
+    loka = _readme_loop(model, _config(warmup_steps=100), tmp_path, steps=4)
+    assert loka.dispatcher.plan.coverage["ran_checked"] is False and loka.dispatcher.never_ran == {}
+    with loka.step(5):  # a probe step: eager
+        model(*model.batch(32)).sum().backward()
+    assert loka.dispatcher.plan.coverage["ran_checked"] is True
+    assert loka.dispatcher.never_ran == {} and loka.dispatcher.plan.coverage["share"] == 1.0
+    loka.close()
