@@ -127,11 +127,15 @@ from loka_torchrec.atomic_files import write_text_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RECIPES = ("dlrm_large", "dhen_large", "dhen_xl", "hstu_large", "hstu_xl")
-# Speed-ups are over the faster of these (per recipe and seed), else over FALLBACK_REFERENCE.
+# Two speed references, per recipe and seed the faster compile mode of each that completed:
+# the user's job unchanged (LoKA off: no Mods, TorchRec's own comms) + torch.compile, and the same
+# architecture as LoKA's runs in bf16 (Mods on, every GEMM bf16), else eager FALLBACK_REFERENCE.
+USER_JOB_REFERENCES = ("plain_compile", "plain_compile_cudagraphs")
 COMPILED_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs")
 FALLBACK_REFERENCE = "bf16"
-# NE differences are to the first of these that completed for the same seed (same model and data).
-NE_REFERENCES = ("bf16", "bf16_compile", "bf16_compile_cudagraphs")
+# NE differences are to the first of these that completed for the same seed (same data; the plain
+# model is LoKA's architecture where LoKA runs without Mods).
+NE_REFERENCES = ("bf16", "bf16_compile", "bf16_compile_cudagraphs", "plain_compile", "plain_compile_cudagraphs", "bf16_nomods")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "auto")
 
 
@@ -165,6 +169,9 @@ _BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.
 # Comms at the default ("auto": fp8 or fp32 per direction, from a timing of the run's all-to-all),
 # so the benchmark measures what a user gets.
 _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
+# LoKA as a user switches it on in an existing job (LokaConfig(enabled=True)): the model unchanged.
+_LOKA_NOMODS = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=none")
+_PLAIN = ("loka.enabled=false",)
 _LOOSE_GATES = ("loka.dispatch.max_mere=0.5", "loka.dispatch.min_grad_sqnr_db=10")
 
 
@@ -197,7 +204,9 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16_compile", _BF16, compile="default"),
         RunSpec("bf16_compile_cudagraphs", _BF16, compile="reduce-overhead"),
         RunSpec("bf16_probed_compile_cudagraphs", _BF16_PROBED, compile="reduce-overhead"),
-        RunSpec("bf16_nomods", ("loka.enabled=false",)),
+        RunSpec("bf16_nomods", _PLAIN),
+        RunSpec("plain_compile", _PLAIN, compile="default"),
+        RunSpec("plain_compile_cudagraphs", _PLAIN, compile="reduce-overhead"),
         _torchao("torchao_tensorwise_compile", "tensorwise", "reduce-overhead", auto_filter=True),
         _torchao("torchao_rowwise_compile", "rowwise", "reduce-overhead", auto_filter=True),
         _torchao("torchao_tensorwise_compile_default", "tensorwise", "default", auto_filter=True),
@@ -211,6 +220,8 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("loka", _LOKA),
         RunSpec("loka_compile", _LOKA, compile="reduce-overhead"),
         RunSpec("loka_compile_default", _LOKA, compile="default"),
+        RunSpec("loka_nomods_compile", _LOKA_NOMODS, compile="reduce-overhead"),
+        RunSpec("loka_nomods_compile_default", _LOKA_NOMODS, compile="default"),
         RunSpec("loka_compile_default_current", (*_LOKA, "loka.dispatch.forward_scaling=current"), compile="default"),
         # The accuracy gates loosened (MERE bound 0.5, gradient floor 10 dB): what the gates cost in
         # speed, and what they save in NE.
@@ -583,6 +594,8 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "seconds": loka.get("seconds"),
             "monitoring": loka.get("monitoring"),
         }
+    if loka and loka.get("comms"):
+        out["comms"] = loka["comms"]  # the precisions in force and how "auto" decided them
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
     if s.get("profile"):
@@ -605,13 +618,15 @@ def _ok(records: List[Dict[str, Any]], recipe: str, run: str) -> Dict[int, Dict[
     return {r["seed"]: r for r in records if r["recipe"] == recipe and r["run"] == run and r["status"] == "ok"}
 
 
-def speed_references(records: List[Dict[str, Any]], recipe: str) -> Dict[int, Dict[str, Any]]:
+def speed_references(
+    records: List[Dict[str, Any]], recipe: str, runs: Sequence[str] = COMPILED_REFERENCES, fallback_run: Optional[str] = FALLBACK_REFERENCE
+) -> Dict[int, Dict[str, Any]]:
     """Per seed, the record speed-ups are measured against: the faster (median step) of the
-    completed ``bf16_compile`` and ``bf16_compile_cudagraphs`` runs of that seed, else ``bf16``.
-    Seeds with none of them are absent."""
+    completed ``runs`` of that seed (by default ``bf16_compile`` and ``bf16_compile_cudagraphs``),
+    else ``fallback_run`` (``bf16``). Seeds with none of them are absent."""
     refs: Dict[int, Dict[str, Any]] = {}
-    compiled = [_ok(records, recipe, run) for run in COMPILED_REFERENCES]
-    fallback = _ok(records, recipe, FALLBACK_REFERENCE)
+    compiled = [_ok(records, recipe, run) for run in runs]
+    fallback = _ok(records, recipe, fallback_run) if fallback_run else {}
     for seed in sorted({s for by_seed in compiled + [fallback] for s in by_seed}):
         timed = [by_seed[seed] for by_seed in compiled if by_seed.get(seed, {}).get("median_step_ms")]
         if timed:
@@ -645,11 +660,13 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
     rows = []
     for recipe in recipes:
         refs = speed_references(records, recipe)
+        user_refs = speed_references(records, recipe, USER_JOB_REFERENCES, None)
         eager = {s: r for s, r in _ok(records, recipe, FALLBACK_REFERENCE).items() if r.get("median_step_ms")}
         ne_ref: Dict[int, Dict[str, Any]] = {}
         for name in reversed(NE_REFERENCES):  # the first name that completed wins
             ne_ref.update(_ok(records, recipe, name))
         reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
+        user_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in user_refs.items()}
         for run in runs:
             mine = [r for r in records if r["recipe"] == recipe and r["run"] == run]
             ok = [r for r in mine if r["status"] == "ok"]
@@ -661,6 +678,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
                 "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
                 "speed_reference": reference,
+                "user_job_reference": user_reference,
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
                 row[key] = _mean([r.get(key) for r in ok])
@@ -676,6 +694,9 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
             row["ne_vs_bf16_pct"] = _mean(diffs)
             row["ne_vs_bf16_pct_range"] = [min(diffs), max(diffs)] if diffs else None
             row["speedup_vs_reference"] = _speedup(ok, refs)
+            row["speedup_vs_user_job"] = _speedup(ok, user_refs)
+            comms = sorted({r["comms"] for r in ok if r.get("comms")})
+            row["comms"] = "; ".join(comms) if comms else None
             row["speedup_vs_bf16"] = _speedup(ok, eager)
             row.update(_profile_means(ok))
             dispatch = [r["dispatch"] for r in ok if r.get("dispatch")]
@@ -698,7 +719,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
 def reference_words(reference: Dict[Any, Dict[str, Any]]) -> str:
     """``seed 0: `bf16_compile_cudagraphs` (8.28 ms); seed 1: ...``, or why there is none."""
     if not reference:
-        return "none (no bf16 run completed): no speed-ups"
+        return "none (not run, or did not complete): no speed-ups against it"
     return "; ".join(
         f"seed {seed}: `{ref['run']}` ({_fmt(ref['median_step_ms'], '.2f')} ms)" for seed, ref in sorted(reference.items())
     )
@@ -898,9 +919,13 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         + (", deterministic kernels (`train.deterministic=true`)" if a.get("deterministic") else ""),
         "- compile: each run's `train.compile` mode (none: eager; default: Inductor; reduce-overhead: Inductor "
         "and CUDA graphs), the dense modules compiled, the embeddings eager",
-        "- speed-up: the reference's step time over the run's, per recipe and seed the faster of "
-        f"`{'` and `'.join(COMPILED_REFERENCES)}` (`{FALLBACK_REFERENCE}` if neither completed; named under each "
-        f"recipe), mean over the seeds both completed; beside it the same over eager `{FALLBACK_REFERENCE}`",
+        "- speed-ups: a reference's step time over the run's, mean over the seeds both completed, against three "
+        f"references named under each recipe: the user's job (`{'` or `'.join(USER_JOB_REFERENCES)}`, the faster: the "
+        "model unchanged, LoKA off, TorchRec's own comms, compiled), the same architecture in bf16 (the faster of "
+        f"`{'` and `'.join(COMPILED_REFERENCES)}`, `{FALLBACK_REFERENCE}` if neither completed: Mods on, every GEMM "
+        f"bf16, LoKA's comms), and eager `{FALLBACK_REFERENCE}`",
+        "- comms: the embedding all-to-all precisions in force (forward, backward) and how `auto` chose them "
+        "(LoKA's runs; the others run TorchRec's own fp32 comms)",
         f"- NE vs bf16: relative difference of the final eval NE to the first of `{'`, `'.join(NE_REFERENCES)}` "
         "that completed for the same seed, "
         "mean over seeds [min, max]; NE spread: the run's own seed-to-seed std, % of its mean NE",
@@ -916,14 +941,15 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     for recipe in a["recipes"]:
         mine = [r for r in rows if r["recipe"] == recipe]
         reference = mine[0]["speed_reference"] if mine else {}
+        user_reference = mine[0].get("user_job_reference", {}) if mine else {}
         lines += [
             f"## {recipe}",
             "",
-            f"Speed-up reference: {reference_words(reference)}.",
+            f"User's job: {reference_words(user_reference)}. Same architecture in bf16: {reference_words(reference)}.",
             "",
-            "| run | compile | status | step ms median [p10, p90], mean | speed-up vs best bf16 compile | vs eager bf16 | QPS "
-            "| peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 |" + extra_head,
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if profiled else ""),
+            "| run | compile | status | step ms median [p10, p90], mean | vs user's job + compile | vs same-arch bf16 + compile "
+            "| vs eager bf16 | QPS | peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 | comms |" + extra_head,
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if profiled else ""),
         ]
         for r in mine:
             rng = r["ne_vs_bf16_pct_range"]
@@ -932,9 +958,9 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             line = (
                 f"| {r['run']} | {r.get('compile') or '?'} | {r['status']} | {_fmt(r['median_step_ms'], '.2f')} "
                 f"[{_fmt(r['p10_step_ms'], '.2f')}, {_fmt(r['p90_step_ms'], '.2f')}], {_fmt(r['mean_step_ms'], '.2f')} "
-                f"| {_times(r.get('speedup_vs_reference'))} | {_times(r.get('speedup_vs_bf16'))} | {_fmt(r['qps'], '.0f')} "
-                f"| {_fmt(r['peak_memory_gb'], '.2f')} | {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} | {ne_diff} "
-                f"| {_fmt(r['ne_seed_spread_pct'], '.3f')} | {fp8} |"
+                f"| {_times(r.get('speedup_vs_user_job'))} | {_times(r.get('speedup_vs_reference'))} | {_times(r.get('speedup_vs_bf16'))} "
+                f"| {_fmt(r['qps'], '.0f')} | {_fmt(r['peak_memory_gb'], '.2f')} | {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} "
+                f"| {ne_diff} | {_fmt(r['ne_seed_spread_pct'], '.3f')} | {fp8} | {r.get('comms') or ('n/a' if r.get('dispatch') else 'fp32 (TorchRec)')} |"
             )
             if profiled:
                 share = r.get("gemm_share")

@@ -154,7 +154,7 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
     expected = 100 * (runs["loka"]["eval_ne"] - runs["bf16"]["eval_ne"]) / runs["bf16"]["eval_ne"]
     assert rows["loka"]["ne_vs_bf16_pct"] == pytest.approx(expected)
     for text in ("## dlrm", "| loka | none | ok |", "| te | none | skipped |", "CUDA only", "## Commands", "LOKA_RUN_DIR=",
-                 "Speed-up reference: seed 0: `bf16` ("):
+                 "Same architecture in bf16: seed 0: `bf16` ("):
         assert text in md
 
 
@@ -343,7 +343,31 @@ def test_aggregate_measures_speedups_against_the_best_bf16_compile_mode_per_seed
     assert rows["loka_compile"]["speedup_vs_reference"] == pytest.approx(15.0 / 6.0)
     alone = e2e.aggregate([_rec("loka_compile", 0, 6.0)], ["r"], ["loka_compile"])[0]
     assert alone["speed_reference"] == {} and alone["speedup_vs_reference"] is None
-    assert e2e.reference_words({}).startswith("none (no bf16 run completed)")
+    assert e2e.reference_words({}).startswith("none (not run, or did not complete)")
+
+
+def test_the_users_unchanged_job_is_a_reference_of_its_own():
+    """The plain model (LoKA off, no Mods) + compile, the faster mode per seed, is the user's job: LoKA's
+    speed-up over it is reported beside the one over the same architecture in bf16, and NE falls back to
+    the plain model where no bf16 run of LoKA's architecture ran."""
+    e2e = _driver()
+    records = [
+        _rec("plain_compile", 0, 12.0, 0.80), _rec("plain_compile_cudagraphs", 0, 11.0, 0.80),
+        _rec("bf16_compile", 0, 10.0, 0.81),
+        _rec("loka_nomods_compile_default", 0, 8.0, 0.804),
+    ]  # fmt: skip
+    runs = ["plain_compile", "plain_compile_cudagraphs", "bf16_compile", "loka_nomods_compile_default"]
+    rows = {r["run"]: r for r in e2e.aggregate(records, ["r"], runs)}
+    loka = rows["loka_nomods_compile_default"]
+    assert loka["user_job_reference"] == {0: {"run": "plain_compile_cudagraphs", "median_step_ms": 11.0}}
+    assert loka["speedup_vs_user_job"] == pytest.approx(11.0 / 8.0)
+    assert loka["speedup_vs_reference"] == pytest.approx(10.0 / 8.0)  # the same architecture in bf16
+    assert loka["ne_vs_bf16_pct"] == pytest.approx(100 * (0.804 - 0.81) / 0.81)  # bf16_compile comes first
+    rows = {r["run"]: r for r in e2e.aggregate([r for r in records if r["run"] != "bf16_compile"], ["r"], runs)}
+    loka = rows["loka_nomods_compile_default"]
+    assert loka["speedup_vs_reference"] is None and loka["ne_vs_bf16_pct"] == pytest.approx(0.5)  # vs plain_compile
+    assert e2e.run_spec("plain_compile").overrides == ("loka.enabled=false",)
+    assert "loka.mods.preset=none" in e2e.run_spec("loka_nomods_compile_default").overrides
 
 
 def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
@@ -361,11 +385,12 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
                          "seeds": [0], "recipes": ["r"]}}  # fmt: skip
     runs = ["bf16", "bf16_compile_cudagraphs", "loka_compile"]
     md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
-    assert "Speed-up reference: seed 0: `bf16_compile_cudagraphs` (8.00 ms)." in md
+    assert "Same architecture in bf16: seed 0: `bf16_compile_cudagraphs` (8.00 ms)." in md
+    assert "User's job: none (not run, or did not complete)" in md
     row = next(line for line in md.splitlines() if line.startswith("| loka_compile |"))
-    assert row.startswith("| loka_compile | reduce-overhead | ok | 6.00 [6.00, 6.00], 6.50 | 1.333x | 2.333x |")
-    assert row.endswith("| 10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25) | 80.0 | 1.667x |")
-    assert "| bf16 | none | ok | 14.00 [14.00, 14.00], 14.00 | 0.571x | 1.000x |" in md
+    assert row.startswith("| loka_compile | reduce-overhead | ok | 6.00 [6.00, 6.00], 6.50 | n/a | 1.333x | 2.333x |")
+    assert row.endswith("| 10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25) | n/a | 80.0 | 1.667x |")
+    assert "| bf16 | none | ok | 14.00 [14.00, 14.00], 14.00 | n/a | 0.571x | 1.000x |" in md
     assert "## Where the step goes" in md
 
 
