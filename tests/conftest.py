@@ -36,6 +36,7 @@ LONGEST_FIRST = (
     "tests/test_faults.py",  # 23 s, 10 runs of the entry point, all on one worker
     "tests/test_train_job.py",  # 66 s, the other runs of the entry point
     "tests/test_dmp_collection.py",  # 20 s, 4 runs of the entry point
+    "tests/test_wheel.py",  # 30 s: builds, installs and runs the wheel
     "tests/test_torchrec_example.py",  # 20 s
     "tests/test_mods_functional.py::test_rewritten_scopes_and_dispatch_sites_compile_fullgraph_without_graph_breaks",  # 17 s
     "tests/test_sites.py::test_sites_compile_fullgraph_without_graph_breaks",  # 12 s
@@ -49,6 +50,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_comms_distributed.py",  # ranks: the 2-rank DMP job
     "tests/test_comms_kernel.py",  # interpreted: the Triton interpreter's subprocess
     "tests/test_faults.py",  # uninterrupted: the reference run
+    "tests/test_wheel.py",  # wheel: the built wheel
 )
 
 

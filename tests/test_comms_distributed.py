@@ -416,8 +416,8 @@ def _scenario_auto(rank, world_size, pg, results):
     choice = comms.decide(config, process_group=pg, embedding_dims=[t[2] for t in TABLES], batch_size=4, timer=timer)
     results["auto_choice"] = choice.to_dict()
     results["auto_timer_calls"] = len(calls)
-    # A decision taken with the real clock on small CPU payloads: well under a second.
-    results["auto_wall_seconds"] = comms.decide(config, process_group=pg, embedding_dims=[16, 48], batch_size=4).seconds
+    # A decision taken with the real clock: it decides, every rank alike, on the payload it was given.
+    results["auto_real_clock_choice"] = comms.decide(config, process_group=pg, embedding_dims=[16, 48], batch_size=4).to_dict()
 
     ref_vals, _, _, _ = _forward_backward(comms.CommsConfig(forward="fp32", backward="fp32"), pg, rank, world_size, 7)
     dmp, sharders = _dmp(config, pg, world_size)
@@ -575,7 +575,14 @@ def test_auto_comms_every_rank_takes_the_max_decision(ranks):
     assert choice["payload"]["rows_per_rank"] == 4 and choice["payload"]["width"] % choice["payload"]["block"] == 0
     for res in ranks:
         assert res["auto_timer_calls"] == 4 * (2 + 5)  # 4 candidates, 2 warm-up + 5 timed runs each
-        assert res["auto_wall_seconds"] < 1.0
+    # With the real clock: both directions decided on every rank alike (the slowest rank's medians),
+    # from 2 warm-up and 5 timed runs of the small payload asked for (4 rows of (16 + 48) / 2 dims).
+    real = [{k: v for k, v in res["auto_real_clock_choice"].items() if k != "seconds"} for res in ranks]
+    assert real[0] == real[1] and real[0]["decided"] == ["forward", "backward"]
+    assert all(t > 0 for times in real[0]["times_ms"].values() for t in times.values())
+    payload = real[0]["payload"]
+    assert (payload["rows_per_rank"], payload["reps"], payload["warmup"]) == (4, 5, 2)
+    assert (payload["width"], payload["block"], payload["values_per_rank"]) == (32, 16, 4 * 32 * 2)
 
 
 @pytest.mark.slow

@@ -99,15 +99,16 @@ def test_bad_config_names_the_field(kwargs, message):
         SyntheticSequenceConfig(**kwargs)
 
 
-def test_make_rank_data_builds_the_jobs_view_and_names_unknown_options():
-    from loka_job.training.synthetic_sequences import make_rank_data
+def test_make_data_builds_the_jobs_view_of_sequences_and_names_unknown_options():
+    from loka_job.training.data import make_data
 
-    data = make_rank_data({"num_items": 100, "batch_size": 8, "eval_batches": 2, "max_seq_len": 5}, rank=1, world_size=2)
+    options = {"kind": "sequence", "num_items": 100, "batch_size": 8, "eval_batches": 2, "max_seq_len": 5}
+    data = make_data(options, rank=1, world_size=2, seed=3)
     assert data.spec.feature_names == (HISTORY_FEATURE, CANDIDATE_FEATURE) and data.batch_size == 8
     expected = SyntheticSequenceDataset(
-        SyntheticSequenceConfig(num_items=100, batch_size=8, eval_batches=2, max_seq_len=5), rank=1, world_size=2
+        SyntheticSequenceConfig(num_items=100, batch_size=8, eval_batches=2, max_seq_len=5, seed=3), rank=1, world_size=2
     )
     assert _same(next(data.train(3)), expected.batch(3))
     assert len(list(data.eval(0))) == 1 and 0.0 < data.teacher_ne < 1.5
     with pytest.raises(ValueError, match=r"data: unknown option\(s\) \['items'\]"):
-        make_rank_data({"items": 100}, rank=0, world_size=1)
+        make_data({"kind": "sequence", "items": 100}, rank=0, world_size=1, seed=0)

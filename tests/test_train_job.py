@@ -83,8 +83,9 @@ def test_two_rank_training_with_loka_learns_and_logs(tmp_path):
         times = choice["times_ms"][direction]
         assert set(times) == {"fp32", "fp8"} and all(t > 0 for t in times.values())
         assert comms[direction] == ("fp8" if times["fp8"] < times["fp32"] else "fp32")
-    assert choice["payload"]["rows_per_rank"] == 128  # the job's batch size
-    assert choice["seconds"] < 5.0
+    payload = choice["payload"]  # the job's batch size, 2 warm-up and 5 timed runs per candidate
+    assert (payload["rows_per_rank"], payload["warmup"], payload["reps"]) == (128, 2, 5)
+    assert payload["values_per_rank"] == 128 * payload["width"] * 2
     assert summary["loka"]["comms_choice"] == choice
     assert "embedding comms  forward" in proc.stdout
 

@@ -1,4 +1,9 @@
-"""The recipe's ``data:`` section -> datasets for this rank."""
+"""The recipe's ``data:`` section -> datasets for this rank.
+
+The one place that knows both synthetic data kinds: the generators
+(:mod:`~loka_job.training.synthetic`, :mod:`~loka_job.training.synthetic_sequences`) know nothing
+of the job, and this module turns either into the job's :class:`RankData`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,13 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 from loka_torchrec.config import from_mapping
 from loka_job.training.data_spec import DataSpec
+from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
+from loka_job.training.synthetic_sequences import (
+    SyntheticSequenceConfig,
+    SyntheticSequenceDataset,
+    make_sequence_data_spec,
+    sequence_teacher_ne,
+)
 
 __all__ = ["RankData", "make_data", "rank_data"]
 
@@ -47,39 +59,59 @@ def rank_data(config, dataset_cls, spec: DataSpec, teacher_ne: Optional[float], 
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _DataKind:
+    """One ``data.kind``: its config, dataset, spec builder and teacher NE."""
+
+    config: type
+    dataset: type
+    spec: Callable[[Any], DataSpec]
+    teacher_ne: Callable[..., float]
+
+
+_KINDS: Dict[str, _DataKind] = {
+    "pooled": _DataKind(SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne),
+    "sequence": _DataKind(SyntheticSequenceConfig, SyntheticSequenceDataset, make_sequence_data_spec, sequence_teacher_ne),
+}
+
+
 def make_data(options: Dict[str, Any], *, rank: int, world_size: int, seed: int) -> RankData:
-    """Build the datasets of the ``data:`` section; ``kind`` is ``"pooled"`` or ``"sequence"``."""
+    """Build the datasets of the ``data:`` section; ``kind`` is ``"pooled"`` or ``"sequence"``.
+
+    Unknown fields raise a ``ValueError`` naming them (see :func:`_check_fields`).
+
+    Example::
+
+        >>> data = make_data({"kind": "sequence", "num_items": 100, "batch_size": 8, "eval_batches": 2}, rank=0, world_size=2, seed=0)
+        >>> data.spec.feature_names, data.batch_size, next(data.train(0)).labels.shape
+        (('hist_item', 'cand_item'), 8, torch.Size([8]))
+    """
     options = dict(options)
     kind = options.pop("kind", "pooled")
     options.setdefault("seed", seed)
-    if kind in ("pooled", "sequence"):
-        _check_fields(kind, options)
-    if kind == "pooled":
-        from loka_job.training.synthetic import SyntheticConfig, SyntheticRecDataset, make_data_spec, teacher_ne
+    if kind not in _KINDS:
+        raise ValueError(f"data.kind: expected 'pooled' or 'sequence', got {kind!r}")
+    data_kind = _KINDS[kind]
+    _check_fields(kind, data_kind.config, options)
+    config = from_mapping(data_kind.config, options, field="data")
+    return rank_data(
+        config,
+        data_kind.dataset,
+        data_kind.spec(config),
+        data_kind.teacher_ne(config, max_batches=4),
+        rank=rank,
+        world_size=world_size,
+    )
 
-        config = from_mapping(SyntheticConfig, options, field="data")
-        return rank_data(
-            config, SyntheticRecDataset, make_data_spec(config), teacher_ne(config, max_batches=4), rank=rank, world_size=world_size
-        )
-    if kind == "sequence":
-        from loka_job.training import synthetic_sequences as seq
 
-        return seq.make_rank_data(options, rank=rank, world_size=world_size)
-    raise ValueError(f"data.kind: expected 'pooled' or 'sequence', got {kind!r}")
-
-
-def _check_fields(kind: str, options: Dict[str, Any]) -> None:
+def _check_fields(kind: str, config_cls: type, options: Dict[str, Any]) -> None:
     """Unknown ``data.*`` fields for this kind: one error that says how to switch kinds cleanly.
 
     The two kinds have different fields (``num_tables`` vs ``num_items``, ...), so typing only
     ``data.kind=sequence`` keeps the pooled recipe's fields; ``data=sequence`` picks the whole
     ``recipes/data/sequence.yaml`` instead (and ``model=hstu`` does that by itself).
     """
-    if kind == "pooled":
-        from loka_job.training.synthetic import SyntheticConfig as cls
-    else:
-        from loka_job.training.synthetic_sequences import SyntheticSequenceConfig as cls
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, List, Mapping, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -51,7 +51,6 @@ __all__ = [
     "make_sequence_data_spec",
     "sample_users",
     "sequence_teacher_ne",
-    "make_rank_data",
 ]
 
 HISTORY_FEATURE = "hist_item"
@@ -390,30 +389,3 @@ def sequence_teacher_ne(config: SyntheticSequenceConfig, *, max_batches: Optiona
         labels.append(batch.labels)
     return normalized_entropy(torch.cat(logits), torch.cat(labels))
 
-
-def make_rank_data(options: Mapping[str, Any], *, rank: int, world_size: int):
-    """The ``data:`` section with ``kind: sequence`` -> this rank's :class:`~loka_job.training.data.RankData`.
-
-    Args:
-        options: :class:`SyntheticSequenceConfig` fields (unknown ones raise a ``ValueError``
-            naming them).
-        rank, world_size: this process in the job.
-
-    Example::
-
-        >>> data = make_rank_data({"num_items": 100, "batch_size": 8, "eval_batches": 2}, rank=0, world_size=2)
-        >>> data.spec.feature_names, data.batch_size, next(data.train(0)).labels.shape
-        (('hist_item', 'cand_item'), 8, torch.Size([8]))
-    """
-    from loka_torchrec.config import from_mapping  # the job's helpers; imported here, not at module load
-    from loka_job.training.data import rank_data
-
-    config = from_mapping(SyntheticSequenceConfig, options, field="data")
-    return rank_data(
-        config,
-        SyntheticSequenceDataset,
-        make_sequence_data_spec(config),
-        sequence_teacher_ne(config, max_batches=4),
-        rank=rank,
-        world_size=world_size,
-    )
