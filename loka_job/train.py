@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any, Dict
 
+from loka_job.training.console import ProgressBarConsoleHandler
 from loka_job.training.distributed import exit_process, init_distributed, pipeline_in_flight, shutdown_distributed
 
 __all__ = ["main", "run"]
@@ -199,7 +200,7 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     os.makedirs(rank_dir, exist_ok=True)
     handler = logging.FileHandler(os.path.join(rank_dir, "train.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    console = logging.StreamHandler(sys.stderr)
+    console = ProgressBarConsoleHandler(sys.stderr)  # above the progress bar, not inside its line
     console.setLevel(logging.WARNING)
     # The library's loggers and the job's own, into one file per rank (warnings to rank 0's console).
     for package in ("loka_torchrec", "loka_job"):

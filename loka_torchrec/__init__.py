@@ -8,6 +8,8 @@ Top level UX:
 * :func:`apply` -- only the model mods and the conversion of the linear layers to
   :class:`LokaLinear`, with the :class:`~loka_torchrec.dispatch.Dispatcher` that sets their kernels
   (``prepare`` calls it; use it alone for static plans or models outside a training loop).
+* :func:`plain_modules` -- a converted model back to plain ``nn.Linear`` layers and modules,
+  sharing its Parameters, for serving (the model mods stay: they change the architecture).
 
 Configuration: :class:`LokaConfig`, holding each capability's frozen dataclass
 (:class:`~loka_torchrec.probe.ProbeConfig`, :class:`DispatchConfig`,
@@ -23,7 +25,8 @@ from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.plain import plain_modules
 from loka_torchrec.prepare import Loka, prepare
 
-__all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "apply", "prepare"]
+__all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "apply", "plain_modules", "prepare"]
 __version__ = "0.1.0"

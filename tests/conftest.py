@@ -51,6 +51,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_comms_kernel.py",  # interpreted: the Triton interpreter's subprocess
     "tests/test_faults.py",  # uninterrupted: the reference run
     "tests/test_wheel.py",  # wheel: the built wheel
+    "tests/test_probe_inspect.py",  # run_dir, loka_run: a Probe run and a whole LoKA run
 )
 
 

@@ -1,4 +1,5 @@
-"""loka-inspect on a run directory written by a real ProbeCallback run, and on broken ones."""
+"""loka-inspect on run directories written by a real ProbeCallback run and by a whole LoKA run
+(prepare, Dispatcher, valve), on edited copies of them (valve, guard, gradient check) and on broken ones."""
 
 import json
 import shutil
@@ -7,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+import loka_torchrec
 from loka_torchrec.evidence import BF16, EvidenceConsumer, GemmRole, KernelChoice
 from loka_torchrec.probe import ProbeCallback, ProbeConfig
-from loka_torchrec.probe.inspect import main
+from loka_torchrec.probe.inspect import main, short_kernel, short_reason
 
 SMM_RW = KernelChoice("scaled_mm", "rowwise")
 
@@ -59,18 +61,167 @@ def run_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def loka_run(tmp_path_factory):
+    """A whole LoKA run on one process: prepare, a Probe plan at step 3 (speed gate off, so FP8 on the
+    CPU), the gradient and layer checks, a spike at step 8 that trips both layers, readmitted at step 12."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("loka_run")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    probe = ProbeConfig(warmup_steps=4, every=2, every_after=2, monitor_budget=0.0, samples=3, speed_reps=1, max_rows_per_step=32)
+    config = loka_torchrec.LokaConfig(enabled=True, probe=probe, dispatch=loka_torchrec.DispatchConfig(min_speedup=0.0))
+    loka = loka_torchrec.prepare(model, config, run_dir=str(root))
+    for step in range(1, 13):
+        with loka.step(step):
+            model(torch.randn(32, 16) * (1e3 if step == 8 else 1.0)).pow(2).mean().backward()
+    loka.close()
+    torch.set_num_threads(saved)
+    return root
+
+
 def _copy(run_dir, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(run_dir, dst)
     return dst
 
 
-def test_table_shows_layers_candidates_and_decisions(run_dir, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "400")  # no folding inside cells
-    assert main([str(run_dir)]) == 0
+def _add_events(run, *events):
+    with open(run / "dispatch_events.jsonl", "a") as f:
+        for event in events:
+            f.write(json.dumps(event) + "\n")
+
+
+def _view(run, capsys, monkeypatch, *args, columns=120):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main([str(run), *args]) == 0
     out = capsys.readouterr().out
-    for text in ("over.fc1", "over.fc2", "32x16->32", "scaled_mm:", "fastest within the gates", "MERE < 0.3", "speedup > 1.1"):
+    assert max(map(len, out.splitlines())) <= columns, max(out.splitlines(), key=len)
+    return out
+
+
+def _table(out):
+    """The table's body lines: after the header's ruler, before a blank line."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("----")) + 1
+    body = lines[start:]
+    return body[: body.index("")] if "" in body else body
+
+
+def test_table_shows_layers_candidates_and_decisions(run_dir, capsys, monkeypatch):
+    out = _view(run_dir, capsys, monkeypatch, columns=400)  # nothing cut
+    for text in ("over.fc1", "over.fc2", "32x16->32", "smm:rw", "fastest within the gates", "gates MERE < 0.3, speedup >= 1.1"):
         assert text in out, text
+
+
+@pytest.mark.parametrize("fixture", ["run_dir", "loka_run"])
+def test_the_default_view_fits_120_columns_with_one_line_per_gemm(fixture, request, capsys, monkeypatch):
+    run = request.getfixturevalue(fixture)
+    out = _view(run, capsys, monkeypatch)
+    body = _table(out)
+    layers = json.loads((run / "probe" / "summary.json").read_text())["layers"]
+    assert len(body) == 3 * len(layers)  # no cell wraps
+    assert [line.split()[0] for line in body[::3]] == sorted(layers)
+    assert [line.split()[2 if i % 3 == 0 else 0] for i, line in enumerate(body)] == ["fwd", "dgrad", "wgrad"] * len(layers)
+
+
+def test_header_of_a_whole_run(loka_run, capsys, monkeypatch):
+    out = _view(loka_run, capsys, monkeypatch)
+    plan = json.loads((loka_run / "dispatch_plan.json").read_text())
+    assert f"plan policy at step {plan['step']} on cpu" in out
+    assert "FP8 GEMMs: 6/6 planned, 6/6 in force; coverage 100.0% of the linear multiply-adds per row (768/768)" in out
+    assert "gradient check (step 3): passed, worst weight gradient" in out
+    assert "safety valve: holds no layer (2 trip(s) so far)" in out  # tripped at step 8, readmitted at 12
+    assert "step-time guard: no verdict yet" in out
+    assert "comms: forward fp32, backward fp32 (auto" in out
+    kernels = {line.split()[3 if i % 3 == 0 else 1] for i, line in enumerate(_table(out))}
+    assert kernels <= {"smm:rw", "smm:tw"}, kernels
+
+
+def test_valve_and_guard_take_fp8_back_in_force_not_in_plan(loka_run, tmp_path, capsys, monkeypatch):
+    run = _copy(loka_run, tmp_path)
+    _add_events(run, {"event": "fallback", "step": 20, "layer": "2", "reason": "act amax_jump: 99 (reference 1, bound 8)"})
+    out = _view(run, capsys, monkeypatch)
+    assert "FP8 GEMMs: 6/6 planned, 3/6 in force" in out and "safety valve: holds 1 layer(s) in bf16: 2 (step 20)" in out
+    body = _table(out)
+    assert all("bf16 (valve)" in line for line in body[3:]) and not any("valve" in line for line in body[:3])
+    assert "act amax_jump: 99" in body[3]
+    _add_events(run, {"event": "step_guard", "step": 70, "bf16_ms": 10.0, "fp8_ms": 12.5, "keep_fp8": False})
+    out = _view(run, capsys, monkeypatch)
+    assert "FP8 GEMMs: 6/6 planned, 0/6 in force" in out
+    assert "step-time guard (step 70): returned every GEMM to bf16, median step 12.5 ms with FP8 vs 10 ms in bf16" in out
+    assert all("bf16 (guard)" in line for line in _table(out))
+    assert main([str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"]["fp8_gemms"] == {"total": 6, "planned": 6, "in_force": 0}
+    fwd = report["layers"][0]["roles"]["fwd"]
+    assert fwd["in_force"] == "bf16:hp" and fwd["held_by"] == "step-time guard" and fwd["planned"].startswith("scaled_mm:")
+
+
+def test_an_in_force_count_recorded_in_the_plan_file_is_shown(loka_run, tmp_path, capsys, monkeypatch):
+    run = _copy(loka_run, tmp_path)
+    plan = json.loads((run / "dispatch_plan.json").read_text())
+    plan["in_force"] = {"fp8_gemms": 2}
+    (run / "dispatch_plan.json").write_text(json.dumps(plan))
+    assert "FP8 GEMMs: 6/6 planned, 2/6 in force" in _view(run, capsys, monkeypatch)
+
+
+def test_gradient_check_demotions_and_the_noise_rule_in_the_header_and_why(loka_run, tmp_path, capsys, monkeypatch):
+    run = _copy(loka_run, tmp_path)
+    _add_events(
+        run,
+        {"event": "grad_check", "step": 30, "kind": "plan", "worst_db": 8.0, "site": "2", "fp8_roles": 6, "failing": ["2"],
+         "under_floor": {"0": {"db": 9.5, "noise_ratio": 0.05, "systematic_db": 20.0}, "2": {"db": 8.0}}},
+        {"event": "grad_check", "step": 30, "kind": "demote", "layer": "2", "role": "fwd", "choice": "scaled_mm:rowwise",
+         "alone_db": 8.0, "damaged": "2", "worst_db_after": 9.5, "site": "0", "failing_after": []},
+    )  # fmt: skip
+    out = _view(run, capsys, monkeypatch)
+    assert ("gradient check (step 30): passed, worst weight gradient 9.5 dB at 0; sent 1 FP8 GEMM(s) back to bf16; "
+            "under the floor but passed by the noise rule: 0 9.5 dB") in " ".join(out.split())  # fmt: skip
+    why = _view(run, capsys, monkeypatch, "--why", "2")
+    assert "step 30: gradient check: fwd scaled_mm:rowwise back to bf16 (alone it put 2's weight gradient at 8.0 dB)" in " ".join(why.split())
+
+
+def test_why_tells_everything_about_one_layer(loka_run, capsys, monkeypatch):
+    why = _view(loka_run, capsys, monkeypatch, "--why", "0")
+    assert "layer 0: 32 rows x 16 in -> 32 out" in why
+    for text in ("statistics at the latest probe step", "input ", "output grad ", "weight ", "E4M3 underflow"):
+        assert text in why, text
+    for role in ("fwd", "dgrad", "wgrad"):
+        assert f"\n{role}: runs scaled_mm:" in why and "planned scaled_mm:" in why
+    assert why.count("  why: fastest accurate of 2") == 3 and why.count("candidates (as the decision weighed them)") == 3
+    assert why.count("scaled_mm:rowwise ") >= 3 and why.count("scaled_mm:tensorwise ") >= 3
+    assert "step 3: layer check: fwd+bwd" in why and "step 3: gradient check: this layer had the plan's worst weight gradient" in why
+    assert "step 8: safety valve: to bf16: act amax_jump" in why and "step 12: readmitted to its planned kernels: statistics settled" in why
+
+
+def test_why_names_a_missing_or_ambiguous_layer(loka_run, run_dir, capsys):
+    assert main([str(loka_run), "--why", "7"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no layer '7' in this run (did you mean" in err
+    assert main([str(loka_run), "--why", "*"]) == 1
+    assert "--why '*' matches 2 layers (0, 2); name one" in capsys.readouterr().err
+    assert main([str(run_dir), "--why", "fc2"]) == 0  # a dotted suffix that names one layer
+    assert "layer over.fc2:" in capsys.readouterr().out
+
+
+def test_help_explains_the_header_columns_and_abbreviations(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for term in ("FP8 GEMMs", "in force", "coverage", "gradient check", "safety valve", "step-time guard", "comms",
+                 "rows x in -> out", "role", "kernel", "MERE", "speedup", "why", "--why LAYER",
+                 "smm = torch._scaled_mm", "+fa = fast accumulation"):  # fmt: skip
+        assert term in text, term
+
+
+def test_kernel_abbreviations():
+    assert short_kernel("scaled_mm:tensorwise_fast_accum") == "smm:tw+fa"
+    assert short_kernel("fbgemm:triton_rowwise") == "fbg:trw" and short_kernel("te:blockwise") == "te:bw"
+    assert short_kernel("bf16:hp") == "bf16" and short_kernel("other:recipe") == "other:recipe"
+    assert short_reason("none fast enough: best scaled_mm:rowwise 0.9x; note: bf16:hp") == "none fast enough: best smm:rw 0.9x; note: bf16"
 
 
 def test_json_report(run_dir, capsys):
@@ -99,11 +250,11 @@ def test_a_layer_in_fallback_shows_bf16_over_its_plan(run_dir, tmp_path, capsys,
     (run / "probe" / "summary.json").write_text(json.dumps(summary))
     assert main([str(run), "--json"]) == 0
     fc1 = {layer["layer"]: layer for layer in json.loads(capsys.readouterr().out)["layers"]}["over.fc1"]
-    assert fc1["roles"]["fwd"]["decision"] == "bf16 (fallback; planned scaled_mm:rowwise)"
-    assert fc1["roles"]["dgrad"]["decision"] == "bf16 (fallback)" and fc1["roles"]["dgrad"]["reason"] == reason
-    monkeypatch.setenv("COLUMNS", "400")
-    assert main([str(run)]) == 0
-    assert "act amax_jump: 2797 (reference 2.977, bound 23.82) (+1 more)" in capsys.readouterr().out
+    assert fc1["roles"]["fwd"]["decision"] == "bf16:hp (safety valve; planned scaled_mm:rowwise)"
+    assert fc1["roles"]["dgrad"]["decision"] == "bf16:hp (safety valve)" and fc1["roles"]["dgrad"]["reason"] == reason
+    out = _view(run, capsys, monkeypatch, columns=400)
+    assert "safety valve: holds 1 layer(s) in bf16: over.fc1" in out  # no events file: the Probe's state
+    assert "bf16 (valve)" in out and reason in out
 
 
 def test_rank_view_layer_glob_and_plot(run_dir, tmp_path, capsys):

@@ -113,7 +113,7 @@ def test_the_installed_wheel_imports_runs_loka_inspect_and_the_torchrec_example(
     shutil.copy(os.path.join(ROOT, "scripts", "torchrec_dlrm_example.py"), elsewhere)  # as a user's own script
     run_dir = elsewhere / "run"
     cmd = [python, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "torchrec_dlrm_example.py",
-           "--loka", "--steps", "10", "--probe_warmup", "4", "--run_dir", str(run_dir)]  # fmt: skip
+           "--steps", "10", "--probe_warmup", "4", "--run_dir", str(run_dir)]  # fmt: skip
     out = _run(cmd, cwd=elsewhere, env=env)
     assert "LoKA made 5 GEMM site(s)" in out and "step 10 loss" in out
     plan = json.loads((run_dir / "dispatch_plan.json").read_text())

@@ -8,7 +8,9 @@ Sources, in order of preference:
 * ``RUN_DIR/dispatch_plan.json`` for the decisions: ``{"layers": {fqn: {"roles": {"fwd":
   {"choice": "scaled_mm:rowwise", "reason": "..."}}}}}``; its optional ``"gates"`` (or
   ``"policy"``) with ``max_mere`` (or ``max_error``) and ``min_speedup`` fixes the gates drawn and
-  used to pick the candidate shown.
+  used to pick the candidate shown;
+* ``RUN_DIR/dispatch_events.jsonl`` for what took FP8 back since the plan (the safety valve, the
+  step-time guard) and the gradient check (:mod:`loka_torchrec.probe.run_status`).
 
 Problems a user can meet are :class:`RunDirError` with a one-line message (missing, empty,
 corrupted directory); recoverable ones (a truncated line, a missing summary) become warnings.
@@ -25,16 +27,47 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from loka_torchrec.probe.logs import rank_log_paths, read_rank_log, read_summary
+from loka_torchrec.probe.run_status import NEVER_RAN, ROLES, RunStatus, run_status
 
-__all__ = ["RunDirError", "RunView", "load_run", "best_candidate", "rank_comparison", "DEFAULT_MAX_ERROR", "DEFAULT_MIN_SPEEDUP"]
+__all__ = [
+    "RunDirError", "RunView", "RoleView", "load_run", "best_candidate", "rank_comparison", "DEFAULT_MAX_ERROR",
+    "DEFAULT_MIN_SPEEDUP", "ROLES", "EVENTS_FILE",
+]  # fmt: skip
 
 DEFAULT_MAX_ERROR = 0.2
 DEFAULT_MIN_SPEEDUP = 1.05
-ROLES = ("fwd", "dgrad", "wgrad")
+EVENTS_FILE = "dispatch_events.jsonl"
 
 
 class RunDirError(Exception):
     """A run directory ``loka-inspect`` cannot show (the message is one line for the user)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleView:
+    """One GEMM of one layer as the run left it.
+
+    Attributes:
+        planned: the plan's kernel (``""``: no plan, or the plan lacks it).
+        in_force: the kernel it runs now: the planned one unless ``held_by`` says otherwise.
+        held_by: ``""``, ``"safety valve"``, ``"step-time guard"`` (bf16 instead of the plan) or
+            ``"never ran"``.
+        reason: why it runs what it runs (the plan's reason, or the valve's or guard's).
+    """
+
+    planned: str
+    in_force: str
+    held_by: str
+    reason: str
+
+    @property
+    def text(self) -> str:
+        """The kernel in force and, when it is not the plan's, why, e.g.
+        ``"bf16:hp (safety valve; planned scaled_mm:rowwise)"``."""
+        if not self.held_by or self.held_by == NEVER_RAN:
+            return self.in_force or "-"
+        planned = f"; planned {self.planned}" if self.planned and self.planned != self.in_force else ""
+        return f"{self.in_force} ({self.held_by}{planned})"
 
 
 @dataclasses.dataclass
@@ -51,6 +84,8 @@ class RunView:
         max_error, min_speedup: the gates.
         warnings: recoverable problems met while reading.
         max_noise_ratio: the grad-weight noise-ratio gate of the plan (0: none).
+        events: the dispatch events (``None``: no ``dispatch_events.jsonl``).
+        status: what is in force (:class:`~loka_torchrec.probe.run_status.RunStatus`).
     """
 
     run_dir: Path
@@ -62,6 +97,8 @@ class RunView:
     min_speedup: float
     warnings: List[str]
     max_noise_ratio: float = 0.0
+    events: Optional[List[Dict[str, Any]]] = None
+    status: RunStatus = dataclasses.field(default_factory=lambda: run_status({}, None, {}))
 
     def filtered(self, pattern: Optional[str]) -> Dict[str, Dict[str, Any]]:
         """Layers whose FQN matches the glob ``pattern`` (all when ``None``)."""
@@ -69,16 +106,24 @@ class RunView:
             return self.layers
         return {k: v for k, v in self.layers.items() if fnmatch.fnmatchcase(k, pattern)}
 
-    def decision(self, layer: str, role: str) -> Tuple[str, str]:
-        """``(choice, reason)`` for a layer's role: from the plan, else from the Probe's state."""
+    def role(self, layer: str, role: str) -> RoleView:
+        """What one GEMM runs now and why: the plan's kernel unless the safety valve holds its layer,
+        the step-time guard returned FP8 to bf16, or the site never ran."""
+        status = self.status
         entry = ((self.plan.get("layers") or {}).get(layer) or {}).get("roles", {}).get(role)
         planned = str(entry["choice"]) if isinstance(entry, dict) and entry.get("choice") else ""
-        state = self.layers.get(layer, {})
-        if state.get("state") == "fallback":  # the safety valve overrides the plan until readmission
-            return "bf16 (fallback" + (f"; planned {planned})" if planned else ")"), str(state.get("reason", ""))
+        kernel, override = status.in_force(layer, role)
+        if kernel == NEVER_RAN:
+            return RoleView(planned, "", NEVER_RAN, status.never_ran.get(layer, ""))
+        if override == "guard":
+            off = status.guard_off or {}
+            return RoleView(planned, kernel, "step-time guard", f"the step-time guard returned every GEMM to bf16 at step {off.get('step')}: "
+                            f"median step {_float(off.get('fp8_ms')):.4g} ms with FP8 vs {_float(off.get('bf16_ms')):.4g} ms in bf16")  # fmt: skip
+        if layer in status.held:  # the safety valve overrides the plan until readmission
+            return RoleView(planned, "bf16:hp", "safety valve", str(status.held[layer].get("reason", "")))
         if planned:
-            return planned, str(entry.get("reason", ""))
-        return "-", "no dispatch_plan.json" if not self.plan else "not in dispatch_plan.json"
+            return RoleView(planned, planned, "", str(entry.get("reason", "")))
+        return RoleView("", "", "", "no dispatch_plan.json" if not self.plan else "not in dispatch_plan.json")
 
 
 def _float(x: Any) -> float:
@@ -161,6 +206,17 @@ def _layers_from_records(records: List[Dict[str, Any]], *, local: bool) -> Dict[
     return out
 
 
+def _load_events(run_dir: Path, problems: List[str]) -> Optional[List[Dict[str, Any]]]:
+    path = run_dir / EVENTS_FILE
+    if not path.exists():
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # collected in `problems` instead
+        events, bad = read_rank_log(path)
+    problems += bad
+    return events
+
+
 def load_run(run_dir: "str | Path", *, rank: Optional[int] = None, max_error: Optional[float] = None, min_speedup: Optional[float] = None) -> RunView:
     """Build the :class:`RunView` of ``run_dir`` (see the module docstring).
 
@@ -208,7 +264,11 @@ def load_run(run_dir: "str | Path", *, rank: Optional[int] = None, max_error: Op
     if not layers:
         raise RunDirError(f"no layer records in {probe_dir / source}")
     noise_gate = _float((plan.get("gates") or {}).get("max_grad_noise_ratio", 0.0)) if isinstance(plan.get("gates"), dict) else 0.0
-    return RunView(run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems, noise_gate if math.isfinite(noise_gate) else 0.0)
+    events = _load_events(run_dir, problems)
+    return RunView(
+        run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems, noise_gate if math.isfinite(noise_gate) else 0.0,
+        events=events, status=run_status(plan, events, layers),
+    )  # fmt: skip
 
 
 def _speedups(e: Dict[str, Any]) -> Tuple[float, float]:
