@@ -71,7 +71,7 @@ class LokaConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"loka: unknown option(s) {unknown}; expected some of {sorted(known)}")
-        kwargs: Dict[str, Any] = {"enabled": bool(values.get("enabled", False))}
+        kwargs: Dict[str, Any] = {"enabled": values.get("enabled", False)}  # "false" is not False: checked
         for f in dataclasses.fields(cls):
             if f.name == "enabled" or f.name not in values:
                 continue

@@ -88,7 +88,6 @@ def test_config_defaults_and_coercion():
         (dict(min_features=0), "min_features"),
         (dict(grad_format="e3m4"), "grad_format"),
         (dict(fallback="ignore"), "fallback"),
-        (dict(min_grad_sqnr_db="high"), "min_grad_sqnr_db"),
         (dict(min_grad_sqnr_db=math.nan), "min_grad_sqnr_db"),
         (dict(max_grad_noise_ratio=-0.1), "max_grad_noise_ratio"),
         (dict(max_grad_noise_ratio=math.inf), "max_grad_noise_ratio"),

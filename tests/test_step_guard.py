@@ -62,7 +62,7 @@ def test_restart_starts_a_new_trial_and_bad_settings_name_the_field():
         StepTimeGuard(window=-1)
     with pytest.raises(ValueError, match="step_guard_tolerance"):
         DispatchConfig(step_guard_tolerance=-0.1)
-    with pytest.raises(ValueError, match="step_guard_window"):
+    with pytest.raises(TypeError, match="dispatch.step_guard_window: expected an int"):
         DispatchConfig(step_guard_window=1.5)
 
 
