@@ -309,6 +309,7 @@ class Loka:
 
     def __str__(self) -> str:
         lines = [str(self.report)]
+        lines.append(f"dispatch: {self.dispatcher.summary()}")
         lines.append(f"probe: {'on' if self.probe is not None else 'off'}; comms: {self.comms_summary()}")
         if self.compiled_modules:
             lines.append(f"torch.compile: {', '.join(self.compiled_modules)}; "

@@ -463,7 +463,7 @@ def test_plan_counts_summary_and_kernels():
     # dense.0: fwd rowwise, dgrad tensorwise, wgrad bf16; dense.1: all bf16; over.linear: 3x blockwise.
     assert plan.counts() == {"bf16:hp": 4, "emulated:blockwise": 3, "scaled_mm:rowwise": 1, "scaled_mm:tensorwise": 1}
     assert plan.fp8_gemm_count() == 5
-    assert plan.summary() == "5/9 GEMMs in FP8 (bf16:hp x4, emulated:blockwise x3, scaled_mm:rowwise x1, scaled_mm:tensorwise x1)"
+    assert plan.summary() == "5/9 GEMMs planned in FP8 (bf16:hp x4, emulated:blockwise x3, scaled_mm:rowwise x1, scaled_mm:tensorwise x1)"
     assert plan.kernels() == {
         "dense.0": LayerKernels(ROWWISE, TENSORWISE, BF16),
         "dense.1": LayerKernels(BF16, BF16, BF16),

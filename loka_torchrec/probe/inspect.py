@@ -11,7 +11,9 @@ Columns: the layer and its shape (``rows x in -> out``), the merged input amax, 
 largest E4M3 underflow fraction and the delayed-scaling saturation fraction, then per GEMM role
 the best FP8 candidate (fastest within the gates, else most accurate) with its MERE and speedup
 (intervals in brackets), the decision and its reason (from ``RUN_DIR/dispatch_plan.json`` when
-present). A second table compares ranks. A last line gives the embedding comms precisions from
+present). A first line gives the GEMMs planned in FP8 and in force (what runs after the safety
+valve, the step-time guard and kernels that cannot run at a shape; from the plan file's ``in_force``
+section). A second table compares ranks. A last line gives the embedding comms precisions from
 ``RUN_DIR/comms_plan.json`` (for ``auto``: the timings and the reason). Exit status: 0 shown, 1 the run directory cannot be
 shown (one line says why), 2 bad arguments.
 """
@@ -29,7 +31,7 @@ from loka_torchrec.comms.choice import CommsChoice
 from loka_torchrec.probe.logs import to_jsonable
 from loka_torchrec.probe.run_view import ROLES, RunDirError, RunView, best_candidate, load_run, rank_comparison
 
-__all__ = ["main", "build_report", "comms_line"]
+__all__ = ["main", "build_report", "comms_line", "dispatch_line"]
 
 
 def _f(x: Any) -> float:
@@ -99,6 +101,7 @@ def build_report(view: RunView, *, layer_glob: Optional[str] = None, z_threshold
         "layers": layers,
         "ranks": rank_comparison(view.ranks, z_threshold=z_threshold),
         "comms": _comms_plan(view),
+        "dispatch": view.plan.get("in_force"),
         "warnings": view.warnings,
     }
 
@@ -128,6 +131,17 @@ def comms_line(plan: Optional[Dict[str, Any]]) -> str:
         restored = "restored from a checkpoint: " if plan.get("restored") else ""
         text += f" (auto, {restored}{summary})"
     return text
+
+
+def dispatch_line(in_force: Optional[Dict[str, Any]]) -> str:
+    """One line: the GEMMs planned in FP8 and in force, and what holds the others in bf16."""
+    if not isinstance(in_force, dict):
+        return "dispatch: no in-force counts in dispatch_plan.json"
+    text = f"dispatch: {in_force.get('fp8_gemms_planned')}/{in_force.get('gemms')} GEMMs planned in FP8, {in_force.get('fp8_gemms')} in force"
+    held: Dict[str, List[str]] = {}
+    for layer, entry in sorted((in_force.get("held") or {}).items()):
+        held.setdefault(str((entry or {}).get("by")), []).append(layer)
+    return text + "".join(f"; in bf16 ({by}): {', '.join(layers)}" for by, layers in held.items())
 
 
 def _shorten(text: str, limit: int = 90) -> str:
@@ -272,6 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.json:
             print(json.dumps(to_jsonable(report), indent=1))
         else:
+            print(dispatch_line(report["dispatch"]))
             _print_tables(report, show_ranks=True)
             print(comms_line(report["comms"]))
             if args.plot:
