@@ -36,7 +36,9 @@ class LokaConfig:
     """Everything LoKA does to a job. ``enabled=False`` (the default) changes nothing.
 
     Attributes:
-        enabled: the one switch.
+        enabled: the one switch: :func:`loka_torchrec.prepare` with ``enabled=False`` returns a
+            :class:`~loka_torchrec.Loka` that leaves the model untouched and whose ``step`` blocks
+            run the loop unchanged (``loka_torchrec.apply`` converts whatever it is given).
         dispatch: per-GEMM kernel choice (:class:`~loka_torchrec.dispatch.config.DispatchConfig`).
             Its ``evidence="auto"`` resolves to ``"probe"`` when the Probe is on, else ``"random"``.
         probe: in-training statistics and evidence (:class:`~loka_torchrec.probe.config.ProbeConfig`).

@@ -188,7 +188,8 @@ def test_write_json_atomic_writes_non_finite_numbers_as_strings(tmp_path):
     assert data["qps"] == "nan" and data["db"] == "-inf" and data["ok"] == 1.5 and float(data["db"]) == float("-inf")
 
 
-@pytest.mark.parametrize("module", ["loka_torchrec.json_values", "loka_torchrec.config_fields", "loka_torchrec.dispatch.plan"])
+@pytest.mark.parametrize("module", ["loka_torchrec.json_values", "loka_torchrec.plain_state", "loka_torchrec.config_fields",
+                                    "loka_torchrec.prepare_checks", "loka_torchrec.dispatch.plan"])  # fmt: skip
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -1,5 +1,5 @@
-"""LoKA's checkpoint state: another model's state is refused, and a resume says what of its new
-configuration wins."""
+"""LoKA's checkpoint state: it loads with torch.load's default weights_only=True, restores every
+decision, refuses another model's state, and a resume says what of its new configuration wins."""
 
 import io
 import json
@@ -46,6 +46,35 @@ def _run(tmp_path, name, steps, config):
             model.zero_grad()
             model(x).square().mean().backward()
     return model, loka
+
+
+def test_a_checkpoint_with_loka_state_loads_weights_only_and_restores_every_decision(tmp_path):
+    _, first = _run(tmp_path, "a", range(1, 7), _probe_config())
+    first.dispatcher.fallback("2", "amax jumped 40x", step=6)
+    assert first.probe.planned and first.dispatcher.plan.fp8_gemm_count() > 0 and first.comms_choice is not None
+    state = _saved_and_loaded(first.state_dict())
+
+    model, resumed = _run(tmp_path, "b", [], _probe_config())
+    resumed.start()
+    resumed.load_state_dict(state, step=6)
+    d, r = first.dispatcher, resumed.dispatcher
+    assert r.plan.digest() == d.plan.digest() and r.plan.step == d.plan.step
+    assert r.fallen_back == {"2": "amax jumped 40x"} and r.in_force().fp8_gemm_count() == d.in_force().fp8_gemm_count()
+    assert r.step_guard_reason == d.step_guard_reason and r.state_dict()["guard"] == d.state_dict()["guard"]
+    assert r.events == d.events
+    assert resumed.comms_choice == first.comms_choice
+    assert resumed.probe.planned and resumed.probe.monitoring_steps == first.probe.monitoring_steps
+    for name in ("0", "2"):
+        a, b = first.probe.layer_state(name), resumed.probe.layer_state(name)
+        assert b.state == a.state and b.evidence == a.evidence and list(b.act_amax) == list(a.act_amax)
+        assert torch.equal(b.reference_act.mean, a.reference_act.mean) and b.reference_act.count == a.reference_act.count
+        assert torch.equal(b.reservoir.inputs, a.reservoir.inputs)
+        assert torch.equal(b.reservoir._gen.get_state(), a.reservoir._gen.get_state())
+    with pytest.raises(ValueError, match="has already ended"):
+        resumed.step_end(6)  # the next step is 7
+    x = torch.randn(64, 32)
+    with resumed.step(7):
+        model(x).square().mean().backward()
 
 
 def test_loading_another_models_state_is_refused_naming_what_differs(tmp_path):
