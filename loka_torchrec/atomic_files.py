@@ -15,6 +15,8 @@ import tempfile
 import time
 from typing import IO, Any, Iterator, List
 
+from loka_torchrec.json_values import to_jsonable
+
 __all__ = ["atomic_file", "is_temporary", "remove_stale_temporaries", "write_text_atomic", "write_json_atomic"]
 
 
@@ -91,6 +93,7 @@ def write_text_atomic(path: "str | os.PathLike", text: str, *, fsync: bool = Fal
 
 
 def write_json_atomic(path: "str | os.PathLike", obj: Any, *, fsync: bool = False, **dump_kwargs: Any) -> None:
-    """``json.dump(obj, indent=1, **dump_kwargs)`` to ``path`` atomically (see :func:`atomic_file`)."""
+    """``json.dump(obj, indent=1, **dump_kwargs)`` to ``path`` atomically (see :func:`atomic_file`),
+    as strict JSON: non-finite floats become strings (:func:`~loka_torchrec.json_values.to_jsonable`)."""
     with atomic_file(path, "w", fsync=fsync) as f:
-        json.dump(obj, f, **{"indent": 1, **dump_kwargs})
+        json.dump(to_jsonable(obj), f, **{"indent": 1, **dump_kwargs, "allow_nan": False})

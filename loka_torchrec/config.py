@@ -36,7 +36,9 @@ class LokaConfig:
     """Everything LoKA does to a job. ``enabled=False`` (the default) changes nothing.
 
     Attributes:
-        enabled: the one switch.
+        enabled: the one switch: :func:`loka_torchrec.prepare` with ``enabled=False`` returns a
+            :class:`~loka_torchrec.Loka` that leaves the model untouched and whose ``step`` blocks
+            run the loop unchanged (``loka_torchrec.apply`` converts whatever it is given).
         dispatch: per-GEMM kernel choice (:class:`~loka_torchrec.dispatch.config.DispatchConfig`).
             Its ``evidence="auto"`` resolves to ``"probe"`` when the Probe is on, else ``"random"``.
         probe: in-training statistics and evidence (:class:`~loka_torchrec.probe.config.ProbeConfig`).
@@ -71,7 +73,7 @@ class LokaConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"loka: unknown option(s) {unknown}; expected some of {sorted(known)}")
-        kwargs: Dict[str, Any] = {"enabled": bool(values.get("enabled", False))}
+        kwargs: Dict[str, Any] = {"enabled": values.get("enabled", False)}  # "false" is not False: checked
         for f in dataclasses.fields(cls):
             if f.name == "enabled" or f.name not in values:
                 continue

@@ -19,6 +19,15 @@ Example (the lines a TorchRec job adds; ``model`` built, process group initializ
             pipeline.progress(batches)
     checkpoint["loka"] = loka.state_dict()   # and loka.load_state_dict(...) on resume
     loka.close()
+
+``LokaConfig(enabled=False)`` gives a :class:`Loka` that changes nothing: the model is left as it
+is, ``step`` blocks run the loop as they are, ``sharders()`` gives TorchRec's sharders without codecs.
+
+What is refused, each with one line that says what to do: a model already prepared (by a Loka not
+closed) or already sharded by ``DistributedModelParallel`` with compressed comms, a device this
+machine does not have (:mod:`loka_torchrec.prepare_checks`); ``loka.step(s)`` never entered with
+``with``, step numbers that repeat or go backwards, nested ``step`` blocks (:mod:`loka_torchrec.steps`);
+a checkpoint of another model (:meth:`Loka.load_state_dict`).
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -38,12 +48,18 @@ from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.comms.auto import decide as decide_comms_precision
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
+from loka_torchrec.comms.config import CommsConfig
 from loka_torchrec.comms.sharders import model_embedding_dims
 from loka_torchrec.comms.sharders import sharders as comms_sharders
 from loka_torchrec.compile import compile_dense, dense_modules, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.dense_inputs import DenseInputs
+from loka_torchrec.dispatch.config import DispatchConfig
+from loka_torchrec.dispatch.dispatcher import Dispatcher
+from loka_torchrec.plain_state import from_plain, to_plain
+from loka_torchrec.prepare_checks import PREPARED, check_device, check_not_prepared, check_not_sharded
 from loka_torchrec.probe import ProbeCallback
+from loka_torchrec.steps import StepBlock, StepOrder
 
 __all__ = ["Loka", "prepare", "COMMS_PLAN_FILE"]
 
@@ -71,6 +87,7 @@ class Loka:
         cuda_graphs: the compiled modules replay CUDA graphs (``compile="reduce-overhead"``):
             :meth:`step_end` marks the end of each step for them
             (:func:`~loka_torchrec.compile.end_compiled_step`).
+        model: the model prepared (marked so until :meth:`close`; ``None`` when LoKA is off).
     """
 
     config: LokaConfig
@@ -84,21 +101,44 @@ class Loka:
     embedding_dims: List[int] = dataclasses.field(default_factory=list)
     dense_inputs: Optional[DenseInputs] = None
     cuda_graphs: bool = False
+    model: Optional[nn.Module] = None
     _started: bool = False
     _last_step_end: Optional[float] = None
     _comms_restored: bool = False
+    _steps: StepOrder = dataclasses.field(default_factory=StepOrder)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether LoKA acts (``config.enabled``); a disabled Loka changes nothing."""
+        return self.config.enabled
 
     @property
     def dispatcher(self):
-        """The :class:`~loka_torchrec.dispatch.Dispatcher` that owns the plan (``dispatcher.plan``)."""
+        """The :class:`~loka_torchrec.dispatch.Dispatcher` that owns the plan (``dispatcher.plan``;
+        what runs now: ``dispatcher.in_force()``)."""
         return self.report.dispatcher
 
     # ------------------------------------------------------------------ the job's hooks
-    def sharders(self) -> list:
+    def sharders(self, sharders: Optional[Sequence[Any]] = None, *, fused_params: Optional[Dict[str, Any]] = None) -> list:
         """Sharders for ``DistributedModelParallel``: TorchRec's embedding sharders with LoKA's comm
-        codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32; the
-        ``"auto"`` directions follow :attr:`comms_selection`, fp32 until :meth:`decide_comms`)."""
-        return comms_sharders(self.config.comms, selection=self.comms_selection)
+        codecs (``comms.forward`` / ``comms.backward``; plain fp32 comms when both are fp32 or LoKA
+        is off; the ``"auto"`` directions follow :attr:`comms_selection`, fp32 until :meth:`decide_comms`).
+
+        Args:
+            sharders: the sharders the job would give ``DistributedModelParallel`` without LoKA
+                (e.g. ``get_default_sharders()``): those of other module types follow LoKA's, and
+                TorchRec's own ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder`` are
+                replaced by LoKA's, which take their ``fused_params``
+                (:func:`loka_torchrec.comms.sharders.sharders` says what is refused).
+            fused_params: TBE options for LoKA's sharders (the fused optimizer, cache settings), as
+                TorchRec's sharders take them.
+
+        Example::
+
+            model = DistributedModelParallel(model, sharders=loka.sharders(get_default_sharders(), fused_params=fused))
+        """
+        comms = self.config.comms if self.enabled else CommsConfig(forward="fp32", backward="fp32")
+        return comms_sharders(comms, selection=self.comms_selection, fused_params=fused_params, extra=sharders)
 
     @property
     def comms_choice(self) -> Optional[CommsChoice]:
@@ -149,7 +189,7 @@ class Loka:
     def start(self) -> None:
         """Check that every rank runs the same plan and write the initial plan file. Called by the
         first :meth:`step` or :meth:`step_end`; call it yourself to check before training."""
-        if not self._started:
+        if not self._started and self.enabled:
             self._started = True
             self.dispatcher.start()
             if self.comms_selection is None:
@@ -166,25 +206,47 @@ class Loka:
         dispatch = self.config.dispatch
         return dispatch.mode == "policy" and dispatch.evidence == "random" and step <= dispatch.plan_at_step
 
-    @contextlib.contextmanager
-    def step(self, step: int, *, timed: bool = True) -> Iterator[None]:
-        """Run one training step (numbered from 1) inside this block.
+    def step(self, step: int, *, timed: bool = True) -> StepBlock:
+        """The block of one training step (numbered from 1): ``with loka.step(step): ...``.
 
         Compiled modules run eagerly where :meth:`eager_at` says so; at the end of the block the
         step is reported (:meth:`step_end`) with its time: host time from the previous step's end
         (over a window, the loop's throughput; the step-time guard compares medians of these).
-        A block left by an exception (the data ran out) reports nothing.
+        A block left by an exception (the data ran out) reports nothing, and its number may run again.
 
         Args:
-            step: the step's number, from 1.
+            step: the step's number, from 1, larger than the last step's.
             timed: give the step's time to the step-time guard; ``False`` for a step whose time
                 holds other work (an evaluation or a checkpoint since the previous step, a profiler).
+
+        Raises:
+            RuntimeError: the block of the previous call was never entered (``loka.step(s)``
+                without ``with`` does nothing; such a block also warns when it is dropped), or the
+                block is entered inside another step's block.
+            ValueError: ``step`` is not an int >= 1, or not after the last step (checked on entry).
         """
-        self.start()
-        self.decide_comms()
-        ran_eagerly = not self.compiled_modules or self.eager_at(step)
-        with eager() if ran_eagerly and self.compiled_modules else contextlib.nullcontext():
-            yield
+        self._steps.made(step)
+        caller = sys._getframe(1)
+        return StepBlock(self, step, timed=timed, where=(caller.f_code.co_filename, caller.f_lineno))
+
+    def _begin_step(self, step: int) -> Tuple[ContextManager, bool]:
+        """The block of ``step`` opens: the context its body runs in, and whether it runs eagerly."""
+        self._steps.enter(step)
+        context, ran_eagerly = contextlib.nullcontext(), True
+        if self.enabled:
+            self.start()
+            self.decide_comms()
+            ran_eagerly = not self.compiled_modules or self.eager_at(step)
+            if ran_eagerly and self.compiled_modules:
+                context = eager()
+        self._steps.inside = step
+        return context, ran_eagerly
+
+    def _end_step(self, step: int, *, completed: bool, timed: bool, ran_eagerly: bool) -> None:
+        """The block of ``step`` closes; a completed step is reported with its time."""
+        self._steps.inside = None
+        if not completed:
+            return
         now = time.perf_counter()
         step_ms = None if self._last_step_end is None or not timed else 1e3 * (now - self._last_step_end)
         self.step_end(step, step_ms=step_ms, ran_eagerly=ran_eagerly)
@@ -221,7 +283,11 @@ class Loka:
         Call it after the optimizer step: under CUDA graphs it also ends the step for them, and
         the step's compiled outputs must not be read after it. ``ran_eagerly``: whether the step ran
         its compiled modules eagerly (``None``: as :meth:`eager_at` says, which :meth:`step` follows);
-        only such a step shows Dispatch which sites run."""
+        only such a step shows Dispatch which sites run. Step numbers must increase (``ValueError``)."""
+        self._steps.check_next(step, call="loka.step_end")
+        self._steps.last = step
+        if not self.enabled:
+            return
         if ran_eagerly is None:
             ran_eagerly = not self.compiled_modules or self.eager_at(step)
         self.start()
@@ -246,26 +312,48 @@ class Loka:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Every decision so far (plan, safety valve, step-time guard, the Probe's statistics and
-        schedule, the comms precisions and the ``"auto"`` choice): put it into the job's checkpoint."""
+        schedule, the comms precisions and the ``"auto"`` choice): put it into the job's checkpoint.
+
+        Plain containers and tensors only, so a checkpoint holding it loads with ``torch.load``'s
+        default ``weights_only=True`` (the Probe's objects are stored as their fields:
+        :mod:`loka_torchrec.plain_state`). With LoKA off: ``{"enabled": False}``.
+        """
+        if not self.enabled:
+            return {"enabled": False}
         state: Dict[str, Any] = {"dispatch": self.dispatcher.state_dict(), "comms": dataclasses.asdict(self.config.comms)}
         if self.comms_choice is not None:
             state["comms_choice"] = self.comms_choice.to_dict()
         if self.probe is not None:
-            state["probe"] = self.probe.state_dict()
+            state["probe"] = to_plain(self.probe.state_dict(), path="loka.probe")
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, step: int) -> None:
-        """Restore :meth:`state_dict`'s decisions in a job resumed after training step ``step``.
+        """Restore :meth:`state_dict`'s decisions in a job resumed after training step ``step``
+        (the next :meth:`step` is ``step + 1`` or later).
 
         The ``"auto"`` comms choice is restored without timing anything, unless the checkpoint's
         choice did not decide every ``"auto"`` direction of this run or was made for another
-        world size (then :meth:`decide_comms` decides anew, and a warning says why).
+        world size (then :meth:`decide_comms` decides anew, and a warning says why). What this
+        run's ``dispatch`` configuration changes on resume: :meth:`Dispatcher.load_state_dict
+        <loka_torchrec.dispatch.Dispatcher.load_state_dict>`. With LoKA off on either side, a
+        warning says that nothing is restored.
 
         Raises:
-            ValueError: ``state`` is not a :meth:`state_dict` (names the missing key).
+            ValueError: ``state`` is not a :meth:`state_dict` (names the missing key), or is of
+                another model (names the layers or shapes that differ).
         """
-        if not isinstance(state, Mapping) or "dispatch" not in state:
+        if not isinstance(state, Mapping) or ("dispatch" not in state and state.get("enabled", True)):
             raise ValueError("loka state: expected the mapping Loka.state_dict() returned (with key 'dispatch')")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"loka.load_state_dict: step: expected the checkpoint's training step, an int >= 0, got {step!r}")
+        self._steps.last = step
+        if not self.enabled or "dispatch" not in state:
+            if self.enabled or "dispatch" in state:
+                logger.warning("loka state: LoKA is %s in this run and was %s in the checkpoint; nothing is restored",
+                               "on" if self.enabled else "off", "on" if "dispatch" in state else "off")  # fmt: skip
+            if self.probe is not None:
+                self.probe.resume_at(step + 1)
+            return
         self.dispatcher.load_state_dict(state["dispatch"])
         if self.dispatcher.plan.fp8_gemm_count() and self.dense_inputs is not None:
             self.dense_inputs.clear()  # the plan made before the checkpoint was checked then
@@ -274,7 +362,7 @@ class Loka:
             self._restore_comms(CommsChoice.from_dict(state["comms_choice"]))
         if self.probe is not None:
             if "probe" in state:
-                self.probe.load_state_dict(state["probe"])
+                self.probe.load_state_dict(from_plain(state["probe"]))
             self.probe.resume_at(step + 1)
 
     def _restore_comms(self, choice: CommsChoice) -> None:
@@ -303,12 +391,17 @@ class Loka:
         return f"forward {resolved.forward}, backward {resolved.backward} (auto, {how}{choice.summary()})"
 
     def close(self) -> None:
-        """Flush the Probe's logs and remove its hooks (idempotent)."""
+        """Flush the Probe's logs and remove its hooks (idempotent); the model may be prepared again."""
         if self.probe is not None:
             self.probe.close()
+        if self.model is not None and getattr(self.model, PREPARED, False):
+            delattr(self.model, PREPARED)
 
     def __str__(self) -> str:
+        if not self.enabled:
+            return "LoKA is off (LokaConfig.enabled=False): the model is unchanged"
         lines = [str(self.report)]
+        lines.append(f"dispatch: {self.dispatcher.summary()}")
         lines.append(f"probe: {'on' if self.probe is not None else 'off'}; comms: {self.comms_summary()}")
         if self.compiled_modules:
             lines.append(f"torch.compile: {', '.join(self.compiled_modules)}; "
@@ -331,12 +424,15 @@ def prepare(
     Args:
         model: the unsharded model (embedding tables may be on ``meta``).
         config: what LoKA does; ``None``: ``LokaConfig(enabled=True)`` (the Probe plans each GEMM's
-            kernel). ``config.enabled`` is not consulted: calling ``prepare`` is the decision.
+            kernel). ``LokaConfig(enabled=False)`` changes nothing: the returned Loka leaves the
+            model as it is, its ``step`` blocks run the loop unchanged, and its ``sharders()`` are
+            TorchRec's without codecs.
         run_dir: where the plan, the dispatch events and the Probe's per-rank logs go (the same
             folder on every rank; ``loka-inspect RUN_DIR`` reads it). Required with the Probe on.
         compile: ``torch.compile`` of the dense modules (:data:`loka_torchrec.compile.COMPILE_MODES`;
             ``auto`` is ``reduce-overhead`` on CUDA, eager elsewhere); ``none`` leaves them eager.
-        device: the dense modules' device, for ``compile="auto"`` (default: the first parameter's).
+        device: the dense modules' device, for ``compile="auto"`` (default: the first parameter's);
+            it must be one this machine has.
         process_group: the ranks that merge statistics and agree on the plan (default: all); also
             the ranks whose embedding all-to-all ``"auto"`` comms time.
         batch_size: rows per rank of a training batch, for the ``"auto"`` comms timing (``None``:
@@ -344,15 +440,23 @@ def prepare(
 
     Raises:
         TypeError: ``model`` or ``config`` of the wrong type.
-        ValueError: the Probe is on and ``run_dir`` is missing; an unknown ``compile`` mode.
+        ValueError: the Probe is on and ``run_dir`` is missing; an unknown ``compile`` mode; a
+            device this machine does not have; a model already prepared by a Loka that is not
+            closed; a model already sharded by ``DistributedModelParallel`` while the comms are
+            compressed (:mod:`loka_torchrec.prepare_checks`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     config = LokaConfig(enabled=True) if config is None else config
     if not isinstance(config, LokaConfig):
         raise TypeError(f"config: expected a LokaConfig, got {type(config).__name__}")
+    if not config.enabled:
+        return _disabled(config)
     if config.probe.enabled and run_dir is None:
         raise ValueError("run_dir: required when the Probe is on (its per-rank logs and the plan go there)")
+    check_device(device)
+    check_not_prepared(model)
+    check_not_sharded(model, comms_compressed=config.comms.enabled)
     if device is None:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), "cpu")
     mode = resolve_compile_mode(compile, device)
@@ -365,6 +469,7 @@ def prepare(
             model, config.probe, run_dir=run_dir, consumer=report.dispatcher, process_group=process_group, start_step=1
         )
     compiled = compile_dense(model, mode) if mode is not None else []
+    setattr(model, PREPARED, True)
     return Loka(
         config, report, probe, compiled,
         comms_selection=CommsSelection() if config.comms.auto else None,
@@ -372,4 +477,11 @@ def prepare(
         embedding_dims=model_embedding_dims(model), cuda_graphs=uses_cuda_graphs(mode),
         dense_inputs=DenseInputs({n: model.get_submodule(n) for n in dense_modules(model)})
         if config.dispatch.grad_check and config.dispatch.mode == "policy" else None,
+        model=model,
     )  # fmt: skip
+
+
+def _disabled(config: LokaConfig) -> Loka:
+    """The Loka of ``LokaConfig(enabled=False)``: no layer converted, no hook, nothing written."""
+    nothing = Dispatcher({}, DispatchConfig(mode="all-bf16"))
+    return Loka(config, ApplyReport([], [], None, nothing), None, [])

@@ -54,3 +54,45 @@ def test_dlrm_and_dcn_refuse_unknown_options_and_a_mismatched_embedding_dim(mode
         build_model(model, {**options, "foo": 1}, _spec(), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"model.embedding_dim: 32 disagrees with data.embedding_dim \(16\)"):
         build_model(model, {**options, "embedding_dim": 32}, _spec(), torch.device("cpu"))
+
+
+def _wrong_values():
+    """For every field of the four section configs: a value of the wrong type (a str where a number
+    or a flag goes, a number where a str goes, a list of numbers where names go)."""
+    import dataclasses
+    import typing
+
+    from loka_torchrec.comms import CommsConfig
+    from loka_torchrec.dispatch import DispatchConfig
+    from loka_torchrec.mods import ModsConfig
+    from loka_torchrec.probe import ProbeConfig
+
+    cases = []
+    for cls, section in ((DispatchConfig, "dispatch"), (ProbeConfig, "probe"), (ModsConfig, "ModsConfig"), (CommsConfig, "CommsConfig")):
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            kind = hints[field.name]
+            if typing.get_origin(kind) is typing.Union:  # Optional[X]: None or an X
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            wrong = [1] if typing.get_origin(kind) is tuple else (7 if kind is str else "1.1")
+            cases.append(pytest.param(cls, {field.name: wrong}, f"{section}.{field.name}: expected ", id=f"{section}.{field.name}"))
+    return cases
+
+
+@pytest.mark.parametrize("cls, kwargs, message", _wrong_values())
+def test_every_config_field_of_the_wrong_type_is_one_line_naming_it(cls, kwargs, message):
+    with pytest.raises(TypeError, match="^" + message.replace(".", r"\.")) as info:
+        cls(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_the_reported_case_names_the_field_and_the_value():
+    from loka_torchrec.dispatch import DispatchConfig
+
+    with pytest.raises(TypeError, match=r"^dispatch.min_speedup: expected a number, got '1.1'$"):
+        DispatchConfig(min_speedup="1.1")
+    with pytest.raises(TypeError, match=r"^dispatch.grad_check: expected true or false, got 1$"):
+        DispatchConfig(grad_check=1)
+    with pytest.raises(TypeError, match=r"^loka.enabled: expected true or false, got 'false'$"):
+        LokaConfig.from_dict({"enabled": "false"})  # a string is not taken for True
+    assert DispatchConfig(min_speedup=2, candidates="emulated:rowwise").candidates == ("emulated:rowwise",)

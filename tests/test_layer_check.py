@@ -159,7 +159,7 @@ def test_check_off_and_bad_reps():
     assert not [e for e in report.dispatcher.events if e["event"] == "layer_check"]
     with pytest.raises(ValueError, match="dispatch.layer_check_reps"):
         DispatchConfig(layer_check_reps=-1)
-    with pytest.raises(ValueError, match="dispatch.layer_check_reps"):
+    with pytest.raises(TypeError, match="dispatch.layer_check_reps: expected an int, got True"):
         DispatchConfig(layer_check_reps=True)
 
 

@@ -29,7 +29,7 @@ def test_presets_resolve_to_mods_in_application_order():
         ({"preset": "none", "hard_swish": True}, "preset='custom'"),
         ({"preset": "all", "block_size": 0}, "ModsConfig.block_size"),
         ({"preset": "all", "block_size": 2.5}, "ModsConfig.block_size"),
-        ({"preset": "custom", "no_bias": 1}, "ModsConfig.no_bias must be a bool"),
+        ({"preset": "custom", "no_bias": 1}, "ModsConfig.no_bias: expected true or false, got 1"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, message):

@@ -62,7 +62,7 @@ def test_restart_starts_a_new_trial_and_bad_settings_name_the_field():
         StepTimeGuard(window=-1)
     with pytest.raises(ValueError, match="step_guard_tolerance"):
         DispatchConfig(step_guard_tolerance=-0.1)
-    with pytest.raises(ValueError, match="step_guard_window"):
+    with pytest.raises(TypeError, match="dispatch.step_guard_window: expected an int"):
         DispatchConfig(step_guard_window=1.5)
 
 
@@ -143,7 +143,8 @@ def test_a_resumed_dispatcher_keeps_the_guard_verdict_and_rewrites_its_files(tmp
     assert resumed.step_guard_reason == d.step_guard_reason and resumed.fallen_back == {"2": "injected"}
     assert not resumed._runs_fp8()  # the guard's verdict holds: bf16 everywhere
     plan = json.loads((tmp_path / "b" / "dispatch_plan.json").read_text())
-    assert plan["step"] == 1 and plan["gates"] and plan == d.plan.to_dict()
+    assert plan["step"] == 1 and plan["gates"] and plan == d.plan.to_dict(d.in_force())
+    assert plan["in_force"]["fp8_gemms"] == 0 and plan["in_force"]["fp8_gemms_planned"] > 0  # the guard's bf16 runs
     events = [json.loads(line) for line in (tmp_path / "b" / "dispatch_events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == [e["event"] for e in d.events] and "step_guard" in [e["event"] for e in events]
     # the guard stays decided: more slow steps give no second verdict

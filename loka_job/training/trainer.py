@@ -755,12 +755,17 @@ class Trainer:
         if self.loka is None:
             return None
         plan = self.loka.dispatcher.plan
+        in_force = self.loka.dispatcher.in_force()
         return {
             "converted_layers": len(self.loka.report.converted),
             "skipped_layers": len(self.loka.report.skipped),
-            "plan": plan.summary() + (" (not running: the step-time guard returned every GEMM to bf16)" if self.loka.dispatcher.step_guard_reason else ""),
-            "fp8_gemms": 0 if self.loka.dispatcher.step_guard_reason else plan.fp8_gemm_count(),
-            "kernels": plan.counts(),
+            "plan": plan.summary(in_force),  # planned and in force
+            "fp8_gemms": in_force.fp8_gemm_count(),  # what runs at the end of the run
+            "fp8_gemms_planned": plan.fp8_gemm_count(),
+            "gemms": sum(plan.counts().values()),
+            "kernels": plan.counts(),  # planned
+            "kernels_in_force": in_force.counts(),
+            "held_in_bf16": {name: {"by": by, "reason": reason} for name, (by, reason) in sorted(in_force.held.items())},
             "never_ran": dict(plan.never_ran),  # converted sites that did not run (not counted above)
             "coverage": dict(plan.coverage),  # share of linear multiply-adds per row that Dispatch manages
             "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from loka_torchrec.config_fields import check_field_types
 from loka_torchrec.fp8 import Fp8Format
 
 __all__ = ["CommsConfig", "PRECISIONS", "FIXED_PRECISIONS", "SCALE_FORMATS", "KERNELS", "DEFAULT_BLOCK"]
@@ -63,6 +64,7 @@ class CommsConfig:
     kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "CommsConfig")  # types first: a range check of a str fails deep inside
         for name, choices in (
             ("forward", PRECISIONS),
             ("backward", PRECISIONS),
@@ -72,13 +74,9 @@ class CommsConfig:
             ("kernel", KERNELS),
         ):
             value = getattr(self, name)
-            if not isinstance(value, str):
-                raise TypeError(f"CommsConfig.{name}: expected a str, got {type(value).__name__}")
             if value.lower() not in choices:
                 raise ValueError(f"CommsConfig.{name}: expected one of {', '.join(choices)}, got {value!r}")
             object.__setattr__(self, name, value.lower())
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise TypeError(f"CommsConfig.block_size: expected an int, got {type(self.block_size).__name__}")
         if self.block_size < 0:
             raise ValueError(f"CommsConfig.block_size: expected 0 (one scale per embedding row) or a positive block, got {self.block_size}")
 

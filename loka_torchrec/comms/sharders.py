@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -118,14 +118,20 @@ class LokaEmbeddingCollectionSharder(_RowBoundCodecs, EmbeddingCollectionSharder
     :class:`LokaEmbeddingBagCollectionSharder`."""
 
 
+_TORCHREC_SHARDERS = {EmbeddingBagCollection: EmbeddingBagCollectionSharder, EmbeddingCollection: EmbeddingCollectionSharder}
+"""TorchRec's own sharder of each module type that LoKA's sharders cover."""
+
+
 def sharders(
     config: CommsConfig,
     *,
     counters: Optional[NonFiniteCounters] = None,
     fused_params: Optional[Dict[str, Any]] = None,
     selection: Optional[CommsSelection] = None,
+    extra: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
 ) -> List[ModuleSharder[nn.Module]]:
-    """``[EmbeddingBagCollectionSharder, EmbeddingCollectionSharder]`` with loka comm codecs.
+    """``[EmbeddingBagCollectionSharder, EmbeddingCollectionSharder]`` with loka comm codecs, then
+    the job's other sharders (``extra``).
 
     At sharding time each module's codecs get the gcd of its embedding dims (and column-shard
     widths) as block when ``config.block_size == 0``: one scale per embedding row. All codecs
@@ -138,20 +144,63 @@ def sharders(
         counters: the shared counters; a new one when ``None``.
         fused_params: passed to both sharders (TBE options such as the fused optimizer).
         selection: the shared choice of the ``"auto"`` directions; a new one when ``None``.
+        extra: the sharders the job gives ``DistributedModelParallel`` otherwise (e.g. TorchRec's
+            ``get_default_sharders()``, or its own). Those of other module types are kept, after
+            LoKA's. TorchRec's own ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``
+            are replaced by LoKA's, which take their ``fused_params`` (unless ``fused_params`` is
+            given). Another sharder of those module types (a subclass) cannot carry LoKA's codecs:
+            it is refused while a direction is compressed or ``"auto"``, and kept in place of
+            LoKA's when both directions are fp32.
+
+    Raises:
+        TypeError: ``config`` or an entry of ``extra`` of the wrong type.
+        ValueError: an entry of ``extra`` that LoKA's sharder cannot take the place of (named).
 
     Example::
 
         >>> ebc_sharder, ec_sharder = sharders(CommsConfig(forward="fp8", backward="bf16"))
         >>> ebc_sharder.nonfinite_counters is ec_sharder.nonfinite_counters
         True
+        >>> mine = EmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+        >>> [s.fused_params for s in sharders(CommsConfig(forward="fp8"), extra=[mine])]
+        [{'learning_rate': 0.1}, None]
     """
     if not isinstance(config, CommsConfig):
         raise TypeError(f"config: expected a CommsConfig, got {type(config).__name__}")
     counters = counters if counters is not None else NonFiniteCounters()
     if config.auto and selection is None:
         selection = CommsSelection()
-    kwargs = {"fused_params": fused_params} if fused_params is not None else {}
-    return [
-        LokaEmbeddingBagCollectionSharder(config, counters=counters, selection=selection, **kwargs),
-        LokaEmbeddingCollectionSharder(config, counters=counters, selection=selection, **kwargs),
-    ]
+    kept, replaced = _split_extra(config, list(extra or []))
+    own = []
+    for cls, module_type in ((LokaEmbeddingBagCollectionSharder, EmbeddingBagCollection), (LokaEmbeddingCollectionSharder, EmbeddingCollection)):
+        if any(s.module_type is module_type for s in kept):
+            continue  # the job's own sharder of this type stays (both directions fp32)
+        params = fused_params if fused_params is not None else getattr(replaced.get(module_type), "fused_params", None)
+        kwargs = {"fused_params": params} if params is not None else {}
+        own.append(cls(config, counters=counters, selection=selection, **kwargs))
+    return own + kept
+
+
+def _split_extra(
+    config: CommsConfig, extra: List[ModuleSharder[nn.Module]]
+) -> Tuple[List[ModuleSharder[nn.Module]], Dict[type, ModuleSharder[nn.Module]]]:
+    """The job's sharders that stay, and those (by module type) that LoKA's take the place of."""
+    kept: List[ModuleSharder[nn.Module]] = []
+    replaced: Dict[type, ModuleSharder[nn.Module]] = {}
+    for i, sharder in enumerate(extra):
+        if not isinstance(sharder, ModuleSharder):
+            raise TypeError(f"sharders[{i}]: expected a TorchRec ModuleSharder, got {type(sharder).__name__}")
+        module_type = sharder.module_type
+        torchrec_cls = _TORCHREC_SHARDERS.get(module_type)
+        if torchrec_cls is None:
+            kept.append(sharder)
+        elif type(sharder) is torchrec_cls or isinstance(sharder, _RowBoundCodecs):
+            replaced[module_type] = sharder
+        elif config.enabled:
+            raise ValueError(
+                f"sharders[{i}]: {type(sharder).__name__} shards {module_type.__name__}, whose LoKA sharder carries the "
+                f"comm codecs; pass its fused_params as fused_params=... instead, or set comms forward and backward to fp32 to keep it"
+            )
+        else:
+            kept.append(sharder)
+    return kept, replaced

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Optional, Tuple
 
+from loka_torchrec.config_fields import check_field_types
 from loka_torchrec.evidence import KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
@@ -112,9 +113,7 @@ class DispatchConfig:
     forward_scaling: str = "delayed"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "candidates", tuple(self.candidates))
-        object.__setattr__(self, "include", tuple(self.include))
-        object.__setattr__(self, "exclude", tuple(self.exclude))
+        check_field_types(self, "dispatch")  # types first: a range check of a str fails deep inside
         if self.mode not in DISPATCH_MODES and not self.mode.startswith("all:"):
             raise ValueError(
                 f"dispatch.mode: expected one of policy, all-bf16, all:<backend>:<recipe>, pinned; got {self.mode!r}"
@@ -147,18 +146,14 @@ class DispatchConfig:
             raise ValueError(
                 f"dispatch.forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {self.forward_scaling!r}"
             )
-        if isinstance(self.step_guard_window, bool) or not isinstance(self.step_guard_window, int) or self.step_guard_window < 0:
+        if self.step_guard_window < 0:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
-        if isinstance(self.layer_check_reps, bool) or not isinstance(self.layer_check_reps, int) or self.layer_check_reps < 0:
+        if self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
-        for flag in ("compiled", "grad_check"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"dispatch.{flag}: expected true or false, got {getattr(self, flag)!r}")
-        sqnr_floor = self.min_grad_sqnr_db
-        if isinstance(sqnr_floor, bool) or not isinstance(sqnr_floor, (int, float)) or math.isnan(sqnr_floor):
+        if math.isnan(self.min_grad_sqnr_db):
             raise ValueError(f"dispatch.min_grad_sqnr_db: expected a number of dB, got {self.min_grad_sqnr_db!r}")
         ratio = self.max_grad_noise_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 0 or math.isinf(ratio):
+        if not ratio >= 0 or math.isinf(ratio):
             raise ValueError(f"dispatch.max_grad_noise_ratio: expected a finite number >= 0, got {ratio!r}")
         if not self.step_guard_tolerance >= 0:
             raise ValueError(f"dispatch.step_guard_tolerance: must be >= 0, got {self.step_guard_tolerance}")

@@ -9,16 +9,21 @@ itself after ``plan_at_step`` training steps (:meth:`on_step_end`).
 All ranks run the identical plan: rank 0 decides and broadcasts, every rank applies, and the
 digests of what each rank actually runs are all-gathered and compared; a mismatch raises
 :class:`PlanMismatchError` naming the ranks.
+
+What the layers run can differ from the plan (the safety valve, the step-time guard, a kernel that
+cannot run at a layer's shape): :meth:`Dispatcher.in_force` says what runs, and every count it
+reports gives both. Rank 0 says each plan, safety-valve and step-time-guard event in one line at
+warning level (``loka_torchrec.dispatch``), with the GEMMs planned in FP8 and in force; the details
+(the plan table, the layer check) are at info level.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,13 +35,14 @@ from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.grad_check import check_plan_gradients
 from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
+from loka_torchrec.dispatch.plan import DispatchPlan, InForce, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.policy import decide, share_quantizations
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
 from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
+from loka_torchrec.json_values import json_line
 
 __all__ = ["Dispatcher", "PlanMismatchError", "resolve_candidates"]
 
@@ -44,6 +50,11 @@ logger = logging.getLogger("loka_torchrec.dispatch")
 
 PLAN_FILE = "dispatch_plan.json"
 EVENTS_FILE = "dispatch_events.jsonl"
+
+_APPLY_AT_ONCE = ("mode", "plan_path", "step_guard_window", "step_guard_tolerance", "include", "exclude", "min_features")
+"""``DispatchConfig`` fields that a resumed run applies at once (``mode`` and ``plan_path`` are
+judged on their own; the layers were converted by this run's selection). The others shape a
+policy plan: a resumed run keeps the checkpoint's plan, and they apply from its next plan."""
 
 
 class PlanMismatchError(RuntimeError):
@@ -207,10 +218,11 @@ class Dispatcher(EvidenceConsumer):
         self._guard.restart()
         self._apply(plan)
         self._verify_identical()
-        self._record({"event": "replan", "step": step, "source": source, "digest": plan.digest(), "summary": plan.summary()})
+        self._record({"event": "replan", "step": step, "source": source, "digest": plan.digest(), "summary": plan.summary(self.in_force())})
         self._save_plan()
         if self._rank() == 0:
-            logger.info("dispatch plan at step %d (evidence: %s):\n%s", step, source, plan.table())
+            logger.info("dispatch plan at step %d (evidence: %s):\n%s", step, source, plan.table(self.in_force()))
+        self._announce(f"plan made at step {step} from {source} evidence")
 
     def _check_layers(self, plan: DispatchPlan, step: int) -> DispatchPlan:
         """``plan`` with the FP8 layers that are not faster as a whole back in bf16 (rank 0 times them)."""
@@ -254,14 +266,34 @@ class Dispatcher(EvidenceConsumer):
         if self._rank() == 0:
             logger.info("dispatch: gradient check at step %d took %.1f s (%d plan run(s), %d demotion(s))",
                         step, seconds, len(records) - demoted, demoted)  # fmt: skip
-        if self._rank() == 0 and demoted:
-            logger.warning("dispatch: gradient check at step %d sent %d FP8 GEMM(s) back to bf16 (worst weight gradient %.1f dB)",
-                           step, demoted, records[-1]["worst_db_after"])  # fmt: skip
+            self._say_noise_rule(records, step)
         self.plan = plan
         self._apply(plan)
         self._verify_identical()
         self._save_plan()
+        if demoted:
+            self._announce(f"gradient check at step {step} sent {demoted} FP8 GEMM(s) back to bf16 "
+                           f"(worst weight gradient {records[-1]['worst_db_after']:.1f} dB)")  # fmt: skip
         return plan
+
+    def _say_noise_rule(self, records: List[dict], step: int) -> None:
+        """One warning line for the weight gradients under the floor that the noise rule accepted in
+        the check of the plan (the events file has the numbers): a pass the user would otherwise miss."""
+        checked = next((r for r in records if r["kind"] == "plan"), None)
+        if checked is None:
+            return
+        kept = {n: v for n, v in checked["under_floor"].items() if n not in checked["failing"] and "noise_ratio" in v}
+        if not kept:
+            return
+        shown = ", ".join(
+            f"{name} at {v['db']:.1f} dB (FP8 error {v['noise_ratio']:.3g} of the batch noise, shared part {v['systematic_db']:.1f} dB)"
+            for name, v in sorted(kept.items())
+        )
+        logger.warning(
+            "dispatch: gradient check at step %d: %d weight gradient(s) below the %g dB floor kept in FP8 by the noise "
+            "rule (dispatch.max_grad_noise_ratio=%g): %s", step, len(kept), self.config.min_grad_sqnr_db,
+            self.config.max_grad_noise_ratio, shown,
+        )  # fmt: skip
 
     def fallback(self, layer: str, reason: str, *, step: int) -> None:
         if layer not in self._layers:
@@ -270,7 +302,8 @@ class Dispatcher(EvidenceConsumer):
         self._layers[layer].set_kernels(LayerKernels())
         self._fp8_running = self._runs_fp8()
         self._record({"event": "fallback", "step": step, "layer": layer, "reason": reason})
-        logger.warning("dispatch: layer %s falls back to bf16 at step %d: %s", layer, step, reason)
+        self._save_plan()
+        self._announce(f"safety valve sent layer {layer} back to bf16 at step {step}: {reason}")
 
     def readmit(self, layer: str, *, step: int) -> None:
         if self._fallen_back.pop(layer, None) is None:
@@ -279,7 +312,8 @@ class Dispatcher(EvidenceConsumer):
             self._layers[layer].set_kernels(self.plan.layers[layer].kernels)
             self._fp8_running = self._runs_fp8()
         self._record({"event": "readmit", "step": step, "layer": layer})
-        logger.info("dispatch: layer %s readmitted to its planned kernels at step %d", layer, step)
+        self._save_plan()
+        self._announce(f"safety valve readmitted layer {layer} to its planned kernels at step {step}")
 
     def guarded_layers(self) -> List[str]:
         """The layers whose GEMMs run FP8 now, and those sent back to bf16 whose plan has FP8 to
@@ -307,13 +341,12 @@ class Dispatcher(EvidenceConsumer):
         self._record({"event": "step_guard", "step": step, "bf16_ms": verdict.bf16_ms, "fp8_ms": verdict.fp8_ms,
                       "keep_fp8": verdict.keep_fp8})  # fmt: skip
         if verdict.keep_fp8:
-            if self._rank() == 0:
-                logger.info("dispatch: %s", verdict.describe())
+            self._announce(f"{verdict.describe()} at step {step}")
             return verdict
         self.step_guard_reason = verdict.describe()
         self._apply(self.plan)
-        if self._rank() == 0:
-            logger.warning("dispatch: %s at step %d", self.step_guard_reason, step)
+        self._save_plan()
+        self._announce(f"{self.step_guard_reason} at step {step}")
         return verdict
 
     def _runs_fp8(self) -> bool:
@@ -371,38 +404,152 @@ class Dispatcher(EvidenceConsumer):
         """Layers currently held in bf16 by the safety valve, with the reason."""
         return dict(self._fallen_back)
 
+    # ------------------------------------------------------------------ what runs
+    def in_force(self) -> InForce:
+        """What the layers run now, next to :attr:`plan`: the plan after the safety valve
+        (:attr:`fallen_back`), the step-time guard (:attr:`step_guard_reason`) and the planned
+        kernels that cannot run at a layer's shape on its device (``fallback_reasons``). The sites
+        that never ran are left out, as the plan's counts leave them out."""
+        kernels: Dict[str, LayerKernels] = {}
+        held: Dict[str, Tuple[str, str]] = {}
+        for name, module in self._layers.items():
+            if name in self._never_ran:
+                continue
+            running = module.kernels
+            for role in module.fallback_reasons:
+                running = running.replace(role, BF16)
+            kernels[name] = running
+            planned = self.plan.layers[name].kernels if name in self.plan.layers else LayerKernels()
+            if running == planned:
+                continue
+            if self.step_guard_reason is not None:
+                held[name] = ("step-time guard", self.step_guard_reason)
+            elif name in self._fallen_back:
+                held[name] = ("safety valve", self._fallen_back[name])
+            else:
+                held[name] = ("kernel cannot run here", "; ".join(module.fallback_reasons.values()))
+        return InForce(kernels, held)
+
+    def summary(self) -> str:
+        """One line: the GEMMs planned in FP8 and in force, and what holds the others in bf16."""
+        return self.plan.summary(self.in_force())
+
+    def _announce(self, what: str) -> None:
+        """Rank 0: one line at warning level for a plan, safety-valve or step-time-guard event, with
+        the GEMMs planned in FP8 and in force (a job that logs at WARNING sees it)."""
+        if self._rank() != 0:
+            return
+        now = self.in_force()
+        total = sum(self.plan.counts().values())
+        held = now.held_summary()
+        logger.warning(
+            "loka dispatch: %s; FP8 GEMMs: %d/%d planned, %d/%d in force%s", what, self.plan.fp8_gemm_count(), total,
+            now.fp8_gemm_count(), total, f" ({held})" if held else "",
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything this dispatcher decided: the plan, the layers the safety valve holds in bf16,
-        the step-time guard's verdict and its collected times, and the events so far."""
+        the step-time guard's verdict and its collected times, the events so far, and the
+        configuration they were made under. Plain containers only (``torch.load(weights_only=True)``)."""
         return {
             "plan": self.plan.to_dict(),
             "fallen_back": dict(self._fallen_back),
             "step_guard_reason": self.step_guard_reason,
             "guard": self._guard.state_dict(),
             "events": list(self.events),
+            "config": dataclasses.asdict(self.config),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (a resumed run; call on every rank, after :meth:`start`).
 
         The plan, valve holds and guard verdict apply at once; ``dispatch_plan.json`` and
         ``dispatch_events.jsonl`` are rewritten to what the checkpoint holds, so a resumed run's
         files say what it runs. States of older checkpoints (plan and valve only) load too.
+
+        What this run's configuration changes:
+
+        * a static or pinned ``dispatch.mode`` decides the plan: where it gives another plan than
+          the checkpoint's (another mode, another ``plan_path``), this run's plan runs and the
+          checkpoint's plan, valve holds and guard verdict are not restored (a warning names the field);
+        * under ``policy``, the checkpoint's plan runs on (a resumed run does not plan again from
+          scratch); a warning names the fields that shape a plan and differ from the checkpoint's
+          (``max_mere``, ``min_speedup``, ``candidates``, ...): they apply from the next plan (a
+          readmission that re-plans). A checkpoint of a static or pinned mode resumed under
+          ``policy`` keeps its plan, said in a warning.
+
+        Raises:
+            ValueError: ``state`` is not a :meth:`state_dict`, or is of another model (its plan's
+                layers or their shapes differ from this dispatcher's: one line names them).
         """
-        self.plan = DispatchPlan.from_dict(state["plan"])
-        self._never_ran = dict(self.plan.never_ran)
-        self._ran_checked = bool(self.plan.coverage.get("ran_checked", False))
-        self._fallen_back = dict(state.get("fallen_back", {}))
-        self.step_guard_reason = state.get("step_guard_reason")
-        if "guard" in state:
-            self._guard.load_state_dict(state["guard"])
+        if not isinstance(state, Mapping) or "plan" not in state:
+            raise ValueError("dispatch state: expected the mapping Dispatcher.state_dict() returned (with key 'plan')")
+        saved = DispatchPlan.from_dict(state["plan"])
+        problem = saved.shape_mismatch(self._layer_shapes())
+        if problem:
+            raise ValueError(f"dispatch state: the checkpoint is of another model ({problem}); resume from a checkpoint of this model")
+        saved_config = state.get("config") or {}
+        self._never_ran = dict(saved.never_ran)
+        self._ran_checked = bool(saved.coverage.get("ran_checked", False))
         self.events = list(state.get("events", []))
+        override = self._overriding_field(saved, saved_config)
+        if override is None:
+            self.plan = saved
+            self._fallen_back = dict(state.get("fallen_back", {}))
+            self.step_guard_reason = state.get("step_guard_reason")
+            if "guard" in state:
+                self._guard.load_state_dict(state["guard"])
+            self._warn_differing_fields(saved, saved_config)
+        else:
+            self.plan = self._annotated(self.plan)
+            self._fallen_back, self.step_guard_reason = {}, None
+            if self._rank() == 0:
+                logger.warning(
+                    "dispatch.%s: the checkpoint ran %s (%d FP8 GEMM(s) planned), this run has %s: this run's plan "
+                    "runs; the checkpoint's plan, safety-valve holds and step-time guard verdict are not restored",
+                    override, saved_config.get(override, saved.mode), saved.fp8_gemm_count(), getattr(self.config, override),
+                )  # fmt: skip
+            self._record({"event": "resume_override", "field": override, "checkpoint_digest": saved.digest(), "digest": self.plan.digest()})
         self._apply(self.plan)
         self._verify_identical()
         if self.run_dir and self._rank() == 0:
-            write_text_atomic(os.path.join(self.run_dir, EVENTS_FILE), "".join(json.dumps(e) + "\n" for e in self.events))
+            write_text_atomic(os.path.join(self.run_dir, EVENTS_FILE), "".join(json_line(e) + "\n" for e in self.events))
         self._save_plan()
+        self._announce(f"plan restored from the checkpoint (made at step {self.plan.step}, mode {self.plan.mode})")
+
+    def _overriding_field(self, saved: DispatchPlan, saved_config: Mapping[str, Any]) -> Optional[str]:
+        """The field (``mode`` or ``plan_path``) by which this run's static or pinned mode gives
+        another plan than the checkpoint's, else ``None`` (the checkpoint's plan is restored)."""
+        if self.config.mode == "policy" or saved.digest() == self.plan.digest():
+            return None
+        if saved_config.get("mode", saved.mode) == self.config.mode and self.config.mode == "pinned":
+            return "plan_path"
+        return "mode"
+
+    def _warn_differing_fields(self, saved: DispatchPlan, saved_config: Mapping[str, Any]) -> None:
+        """Resume under ``policy``: warn about what this run's configuration cannot change now."""
+        if self._rank() != 0 or self.config.mode != "policy":
+            return
+        saved_mode = saved_config.get("mode", saved.mode)
+        if saved_mode != "policy":
+            logger.warning(
+                "dispatch.mode: the checkpoint ran %s, this run has policy: a resumed run does not plan again, so the "
+                "checkpoint's plan runs on (%d FP8 GEMM(s) planned); start a new run to plan under policy",
+                saved_mode, saved.fp8_gemm_count(),
+            )  # fmt: skip
+            return
+        mine = dataclasses.asdict(self.config)
+        differ = [
+            f"{name}={_plain(mine[name])!r} (checkpoint: {_plain(value)!r})"
+            for name, value in sorted(saved_config.items())
+            if name in mine and name not in _APPLY_AT_ONCE and _plain(value) != _plain(mine[name])
+        ]
+        if differ:
+            logger.warning(
+                "dispatch: this run's %s differ from the checkpoint's: its plan (made at step %d) runs on, and they apply "
+                "from the next plan", ", ".join(differ), saved.step,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ reach
     @property
@@ -453,13 +600,9 @@ class Dispatcher(EvidenceConsumer):
         device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
         if cfg.mode == "pinned":
             plan = DispatchPlan.load(cfg.plan_path)
-            missing = sorted(set(sizes) - set(plan.layers))
-            extra = sorted(set(plan.layers) - set(sizes))
-            if missing or extra:
-                raise ValueError(
-                    f"dispatch.plan_path: plan {cfg.plan_path!r} does not match the model: "
-                    f"layers missing from the plan {missing[:5]}, plan layers not in the model {extra[:5]}"
-                )
+            problem = plan.shape_mismatch(self._layer_shapes())
+            if problem:
+                raise ValueError(f"dispatch.plan_path: plan {cfg.plan_path!r} does not match the model: {problem}")
             for name, layer_plan in plan.layers.items():
                 for role, decision in layer_plan.roles.items():
                     if not decision.choice.is_high_precision:
@@ -494,6 +637,9 @@ class Dispatcher(EvidenceConsumer):
                 kernels = LayerKernels()
             module.set_kernels(kernels)
         self._fp8_running = self._runs_fp8()
+
+    def _layer_shapes(self) -> Dict[str, Tuple[int, int]]:
+        return {name: (m.in_features, m.out_features) for name, m in self._layers.items()}
 
     def _layer_sizes(self) -> Dict[str, tuple]:
         return {
@@ -546,12 +692,13 @@ class Dispatcher(EvidenceConsumer):
         if self.run_dir and self._rank() == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
-                f.write(json.dumps(event) + "\n")
+                f.write(json_line(event) + "\n")  # strict JSON: an infinite SQNR is written "inf"
                 f.flush()
 
     def _save_plan(self) -> None:
+        """Rank 0 writes the plan with what runs now (its ``in_force`` section)."""
         if self.run_dir and self._rank() == 0:
-            self.plan.save(os.path.join(self.run_dir, PLAN_FILE))
+            self.plan.save(os.path.join(self.run_dir, PLAN_FILE), self.in_force())
 
     def start(self) -> None:
         """Verify identity across ranks and write the initial plan (call once, after process groups exist).
@@ -565,6 +712,15 @@ class Dispatcher(EvidenceConsumer):
                 resolve_candidates(self.config, torch.device(device))
         self._verify_identical()
         self._save_plan()
+        if self.config.mode == "policy":
+            self._announce(f"policy mode: bf16 until the plan from {self.config.evidence} evidence")
+        else:
+            self._announce(f"{self.config.mode} plan in place" + (f" from {self.config.plan_path}" if self.config.mode == "pinned" else ""))
+
+
+def _plain(value: Any) -> Any:
+    """A configuration value as a checkpoint holds it: sequences as lists."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _never_ran_reason(module: torch.nn.Module) -> str:

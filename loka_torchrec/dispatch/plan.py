@@ -3,6 +3,10 @@
 A plan is plain data. It is saved as JSON in the run dir (atomically), printed as a table at the
 start of training, loaded back for ``mode="pinned"`` (resume, inference), and compared across ranks
 by :meth:`DispatchPlan.digest`.
+
+What the layers run can differ from their plan: the safety valve holds a layer in bf16, the
+step-time guard returns every GEMM to bf16, or a planned kernel cannot run at a layer's shape on its
+device. :class:`InForce` says what runs; every count LoKA reports gives both (:meth:`DispatchPlan.summary`).
 """
 
 from __future__ import annotations
@@ -12,15 +16,72 @@ import hashlib
 import io
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, KernelChoice
 
-__all__ = ["RoleDecision", "LayerPlan", "DispatchPlan", "PLAN_FORMAT_VERSION"]
+__all__ = ["RoleDecision", "LayerPlan", "DispatchPlan", "InForce", "HELD_BY", "PLAN_FORMAT_VERSION"]
 
 PLAN_FORMAT_VERSION = 1
+
+HELD_BY = ("safety valve", "step-time guard", "kernel cannot run here")
+"""What can hold a GEMM in bf16 that its plan has in FP8 (:attr:`InForce.held`)."""
+
+
+def _count(choices: Iterable[KernelChoice]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for choice in choices:
+        out[str(choice)] = out.get(str(choice), 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _fp8(counts: Mapping[str, int]) -> int:
+    return sum(n for k, n in counts.items() if not k.startswith("bf16:"))
+
+
+@dataclasses.dataclass(frozen=True)
+class InForce:
+    """What the layers run now (:meth:`~loka_torchrec.dispatch.Dispatcher.in_force`), next to their plan.
+
+    Attributes:
+        kernels: layer -> the kernels its three GEMMs run now; the sites that never ran are left
+            out, as :meth:`DispatchPlan.counts` leaves them out.
+        held: layer -> ``(by, reason)`` for each layer that runs in bf16 a GEMM its plan has in
+            FP8; ``by`` is one of :data:`HELD_BY`.
+
+    Example::
+
+        >>> now = InForce({"fc": LayerKernels()}, {"fc": ("safety valve", "amax jumped 40x")})
+        >>> now.fp8_gemm_count(), now.held_summary()
+        (0, 'safety valve holds 1 layer(s) in bf16')
+    """
+
+    kernels: Dict[str, LayerKernels]
+    held: Dict[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+    def counts(self) -> Dict[str, int]:
+        """How many GEMMs run on each kernel now."""
+        return _count(c for k in self.kernels.values() for c in (k.fwd, k.dgrad, k.wgrad))
+
+    def fp8_gemm_count(self) -> int:
+        return _fp8(self.counts())
+
+    def held_summary(self) -> str:
+        """What holds planned FP8 GEMMs in bf16, e.g. ``"safety valve holds 2 layer(s) in bf16"``."""
+        parts = []
+        for by in HELD_BY:
+            layers = sorted(name for name, (who, _) in self.held.items() if who == by)
+            if not layers:
+                continue
+            if by == "step-time guard":
+                parts.append("the step-time guard returned every GEMM to bf16")
+            elif by == "safety valve":
+                parts.append(f"safety valve holds {len(layers)} layer(s) in bf16")
+            else:
+                parts.append(f"{len(layers)} layer(s) run a planned kernel in bf16: it cannot run at their shape here")
+        return "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,22 +202,40 @@ class DispatchPlan:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def counts(self) -> Dict[str, int]:
-        """How many GEMMs run on each kernel, e.g. ``{"bf16:hp": 4, "scaled_mm:rowwise": 8}``."""
-        out: Dict[str, int] = {}
-        for name, plan in self.layers.items():
-            if name in self.never_ran:
-                continue  # a GEMM that never ran is not one the plan runs
-            for decision in plan.roles.values():
-                out[str(decision.choice)] = out.get(str(decision.choice), 0) + 1
-        return dict(sorted(out.items()))
+        """How many GEMMs the plan puts on each kernel, e.g. ``{"bf16:hp": 4, "scaled_mm:rowwise": 8}``
+        (the sites that never ran are left out: a GEMM that never ran is not one the plan runs)."""
+        return _count(d.choice for name, plan in self.layers.items() if name not in self.never_ran for d in plan.roles.values())
 
     def fp8_gemm_count(self) -> int:
-        return sum(n for k, n in self.counts().items() if not k.startswith("bf16:"))
+        """GEMMs the plan puts in FP8 (what runs now may be fewer: :class:`InForce`)."""
+        return _fp8(self.counts())
 
-    def summary(self) -> str:
+    def shape_mismatch(self, shapes: Mapping[str, Tuple[int, int]]) -> Optional[str]:
+        """What differs between this plan's layers and a model's (``layer -> (in_features,
+        out_features)``), in one line naming the layers; ``None`` when they match."""
+        missing = sorted(set(shapes) - set(self.layers))
+        extra = sorted(set(self.layers) - set(shapes))
+        if missing or extra:
+            return f"layers missing from the plan {missing[:5]}, plan layers not in the model {extra[:5]}"
+        other = sorted(n for n, lp in self.layers.items() if (lp.in_features, lp.out_features) != tuple(shapes[n]))
+        if other:
+            shown = ", ".join(
+                f"{n} (plan {self.layers[n].in_features} -> {self.layers[n].out_features}, model {shapes[n][0]} -> {shapes[n][1]})"
+                for n in other[:5]
+            )
+            return f"{len(other)} layer(s) of another shape: {shown}"
+        return None
+
+    def summary(self, in_force: Optional[InForce] = None) -> str:
+        """One line: the GEMMs planned in FP8 by kernel and, given ``in_force``, how many run in FP8
+        now and what holds the others in bf16; then coverage and the sites that never ran."""
         total = sum(self.counts().values())
         parts = ", ".join(f"{k} x{n}" for k, n in self.counts().items())
-        text = f"{self.fp8_gemm_count()}/{total} GEMMs in FP8 ({parts})"
+        text = f"{self.fp8_gemm_count()}/{total} GEMMs planned in FP8 ({parts})"
+        if in_force is not None:
+            text += f", {in_force.fp8_gemm_count()}/{total} in force"
+            held = in_force.held_summary()
+            text += f" ({held})" if held else ""
         if self.coverage:
             c = self.coverage
             text += f"; Dispatch manages {100 * c['share']:.1f}% of the linear multiply-adds per row ({c['managed_macs_per_row']}/{c['total_macs_per_row']})"
@@ -164,8 +243,9 @@ class DispatchPlan:
             text += f"; {len(self.never_ran)} converted site(s) never ran: {', '.join(sorted(self.never_ran))}"
         return text
 
-    def table(self) -> str:
-        """A plain-text table: layer, shape, and per role the kernel, MERE, speedup and reason."""
+    def table(self, in_force: Optional[InForce] = None) -> str:
+        """A plain-text table: layer, shape, and per role the kernel, MERE, speedup and reason; the
+        last line is :meth:`summary` (with ``in_force``, what runs now)."""
         from rich.console import Console  # rich loads only where a table is printed
         from rich.table import Table
 
@@ -195,11 +275,14 @@ class DispatchPlan:
                 first = False
         buffer = io.StringIO()
         Console(file=buffer, width=200, force_terminal=False, color_system=None).print(table)
-        return buffer.getvalue() + self.summary() + "\n"
+        return buffer.getvalue() + self.summary(in_force) + "\n"
 
     # ------------------------------------------------------------------ JSON
-    def to_dict(self) -> Dict[str, Any]:
-        return {
+    def to_dict(self, in_force: Optional[InForce] = None) -> Dict[str, Any]:
+        """The plan as JSON data; with ``in_force``, an ``"in_force"`` section says what runs now
+        (``fp8_gemms_planned``, ``fp8_gemms`` in force, ``gemms``, ``kernels`` in force, ``held``:
+        layer -> ``{"by", "reason"}``, ``summary``). The digest covers the plan's choices only."""
+        out = {
             "format_version": PLAN_FORMAT_VERSION,
             "mode": self.mode,
             "step": self.step,
@@ -210,6 +293,16 @@ class DispatchPlan:
             "never_ran": dict(sorted(self.never_ran.items())),
             "coverage": dict(self.coverage),
         }
+        if in_force is not None:
+            out["in_force"] = {
+                "fp8_gemms_planned": self.fp8_gemm_count(),
+                "fp8_gemms": in_force.fp8_gemm_count(),
+                "gemms": sum(self.counts().values()),
+                "kernels": in_force.counts(),
+                "held": {name: {"by": by, "reason": reason} for name, (by, reason) in sorted(in_force.held.items())},
+                "summary": self.summary(in_force),
+            }
+        return out
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "DispatchPlan":
@@ -231,9 +324,10 @@ class DispatchPlan:
             raise ValueError("dispatch plan: its 'digest' does not match its layers (edited or corrupted file?)")
         return plan
 
-    def save(self, path: str) -> None:
-        """Write the plan as JSON atomically (temp file in the same folder, then rename)."""
-        write_json_atomic(path, self.to_dict(), fsync=True)
+    def save(self, path: str, in_force: Optional[InForce] = None) -> None:
+        """Write the plan as JSON atomically (temp file in the same folder, then rename); with
+        ``in_force``, what runs now too (:meth:`to_dict`)."""
+        write_json_atomic(path, self.to_dict(in_force), fsync=True)
 
     @classmethod
     def load(cls, path: str) -> "DispatchPlan":

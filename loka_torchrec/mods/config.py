@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterator, Tuple
 
+from loka_torchrec.config_fields import check_field_types
+
 __all__ = ["MOD_NAMES", "PRESETS", "ModsConfig", "ModResult", "ModsReport"]
 
 MOD_NAMES: Tuple[str, ...] = ("no_bias", "block_norm", "hard_swish", "fuse_siblings", "pad_to_16")
@@ -15,19 +17,6 @@ members agree on having a bias), and padding goes last, so a fused GEMM is padde
 """
 
 PRESETS: Tuple[str, ...] = ("none", "all", "custom")
-
-
-def _as_globs(value: Any, field: str) -> Tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    try:
-        globs = tuple(value)
-    except TypeError:
-        raise TypeError(f"ModsConfig.{field} must be a sequence of FQN globs, got {type(value).__name__}") from None
-    for g in globs:
-        if not isinstance(g, str) or not g:
-            raise TypeError(f"ModsConfig.{field} entries must be non-empty strings, got {g!r}")
-    return globs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +63,11 @@ class ModsConfig:
     keep_prediction_bias: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self, "ModsConfig")  # types first; keep_bias may be one glob or a list
         if self.preset not in PRESETS:
             raise ValueError(f"ModsConfig.preset must be one of {PRESETS}, got {self.preset!r}")
-        for name in MOD_NAMES + ("keep_prediction_bias",):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"ModsConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not all(self.keep_bias):
+            raise ValueError(f"ModsConfig.keep_bias: expected non-empty FQN globs, got {list(self.keep_bias)}")
         if self.preset == "none":
             on = [name for name in MOD_NAMES if getattr(self, name)]
             if on:
@@ -86,9 +75,8 @@ class ModsConfig:
                     f"ModsConfig: preset='none' changes nothing, but {on} are switched on; "
                     f"use preset='custom' to apply single mods"
                 )
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+        if self.block_size < 1:
             raise ValueError(f"ModsConfig.block_size must be an int >= 1, got {self.block_size!r}")
-        object.__setattr__(self, "keep_bias", _as_globs(self.keep_bias, "keep_bias"))
 
     @property
     def enabled(self) -> Tuple[str, ...]:

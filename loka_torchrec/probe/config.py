@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from loka_torchrec.config_fields import check_field_types
+
 __all__ = ["ProbeConfig", "ERROR_BASES"]
 
 ERROR_BASES = ("gaussian", "captured", "max")
@@ -120,11 +122,12 @@ class ProbeConfig:
     readmit_error_ratio: float = 1.25
 
     def __post_init__(self) -> None:
+        check_field_types(self, "probe")  # types first: a range check of a str fails deep inside
         _positive_int("every", self.every)
         _positive_int("warmup_steps", self.warmup_steps)
-        if not isinstance(self.every_after, int) or self.every_after < 0:
+        if self.every_after < 0:
             raise ValueError(f"every_after: expected an int >= 0 (0 = no checks after warm-up), got {self.every_after!r}")
-        if isinstance(self.monitor_budget, bool) or not isinstance(self.monitor_budget, (int, float)) or not 0.0 <= self.monitor_budget < 1.0:
+        if not 0.0 <= self.monitor_budget < 1.0:
             raise ValueError(f"monitor_budget: expected a share of training time in [0, 1) (0 = fixed cadence), got {self.monitor_budget!r}")
         _positive_int("every_after_max", self.every_after_max)
         if self.every_after and self.every_after_max < self.every_after:
@@ -139,7 +142,7 @@ class ProbeConfig:
         _positive_int("reservoir_rows", self.reservoir_rows)
         _positive_int("amax_history", self.amax_history)
         _positive_int("readmit_windows", self.readmit_windows)
-        if isinstance(self.readmit_every, bool) or not isinstance(self.readmit_every, int) or self.readmit_every < 0:
+        if self.readmit_every < 0:
             raise ValueError(f"readmit_every: expected an int >= 0 (0 = the usual cadence), got {self.readmit_every!r}")
         if not 0.0 <= self.weight_ema < 1.0:
             raise ValueError(f"weight_ema: expected a decay in [0, 1), got {self.weight_ema!r}")
@@ -192,6 +195,6 @@ class ProbeConfig:
         return 20 if torch.device(device).type == "cuda" else 5
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+def _positive_int(name: str, value: int) -> None:
+    if value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")

@@ -22,7 +22,6 @@ Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (s
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import warnings
@@ -30,26 +29,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import loka_torchrec.atomic_files as atomic_files
+from loka_torchrec.json_values import to_jsonable
 
 __all__ = ["ProbeLog", "write_json_atomic", "read_rank_log", "read_summary", "to_jsonable", "rank_log_paths", "LOG_VERSION"]
 
 LOG_VERSION = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-
-
-def to_jsonable(obj: Any) -> Any:
-    """``obj`` with non-finite floats as strings, tuples as lists and tensors/numbers as Python floats."""
-    if isinstance(obj, float):
-        if math.isfinite(obj):
-            return obj
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item):  # 0-d tensors and numpy scalars
-        return to_jsonable(obj.item())
-    return obj
 
 
 class ProbeLog:
@@ -91,8 +76,8 @@ class ProbeLog:
 
 
 def write_json_atomic(path: "str | os.PathLike", obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically, non-finite floats as strings (see :func:`to_jsonable`)."""
-    atomic_files.write_json_atomic(path, to_jsonable(obj), fsync=True, allow_nan=False)
+    """Write ``obj`` as strict JSON to ``path`` atomically and fsynced (non-finite floats as strings)."""
+    atomic_files.write_json_atomic(path, obj, fsync=True)
 
 
 def read_rank_log(path: "str | os.PathLike") -> Tuple[List[Dict[str, Any]], List[str]]:
