@@ -211,8 +211,9 @@ class Loka:
 
         Compiled modules run eagerly where :meth:`eager_at` says so; at the end of the block the
         step is reported (:meth:`step_end`) with its time: host time from the previous step's end
-        (over a window, the loop's throughput; the step-time guard compares medians of these).
-        A block left by an exception (the data ran out) reports nothing, and its number may run again.
+        (over a window, the loop's throughput; the step-time guard compares medians of these; a
+        compiled model's eager steps are not timed). A block left by an exception (the data ran
+        out) reports nothing, and its number may run again.
 
         Args:
             step: the step's number, from 1, larger than the last step's.
@@ -248,6 +249,9 @@ class Loka:
         if not completed:
             return
         now = time.perf_counter()
+        # A step whose compiled modules ran eagerly (a probe step) is not the step the guard compares:
+        # its time would make the bf16 baseline look slow.
+        timed = timed and not (ran_eagerly and self.compiled_modules)
         step_ms = None if self._last_step_end is None or not timed else 1e3 * (now - self._last_step_end)
         self.step_end(step, step_ms=step_ms, ran_eagerly=ran_eagerly)
         self._last_step_end = time.perf_counter()  # planning work in step_end is not the next step's

@@ -20,6 +20,7 @@ warning level (``loka_torchrec.dispatch``), with the GEMMs planned in FP8 and in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from loka_torchrec.dispatch.plan import DispatchPlan, InForce, LayerPlan, RoleDe
 from loka_torchrec.dispatch.policy import decide, share_quantizations
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
 from loka_torchrec.gemm.recipes import recipe_for
+from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans
 from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
@@ -139,6 +141,7 @@ class Dispatcher(EvidenceConsumer):
         self._grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
         self._fallen_back: Dict[str, str] = {}
         self._guard = StepTimeGuard(config.step_guard_window, config.step_guard_tolerance)
+        self._trials: Optional[PlanTrials] = None  # candidate plans the compiled step judges (plan_trials)
         self.seconds = {"decide": 0.0, "layer_check": 0.0}  # host seconds spent planning, on this rank
         self.step_guard_reason: Optional[str] = None  # set when the guard sent every GEMM back to bf16
         self.events: List[dict] = []
@@ -187,7 +190,7 @@ class Dispatcher(EvidenceConsumer):
         if self.config.mode != "policy":
             logger.info("dispatch: mode %s is static; ignoring %d evidence records from %s", self.config.mode, len(evidence), source)
             return
-        plan = None
+        plans = None
         if self._rank() == 0:
             t0 = time.perf_counter()
             plan = decide(
@@ -203,18 +206,26 @@ class Dispatcher(EvidenceConsumer):
             )
             t1 = time.perf_counter()
             self.seconds["decide"] += t1 - t0
+            gated = plan
             if self.config.layer_check_reps > 0:
                 plan = self._check_layers(plan, step)
             self.seconds["layer_check"] += time.perf_counter() - t1
             if self.config.compiled:
                 # After the layer check: it decides FP8 against bf16 per layer, timing eager layers,
                 # where a tensorwise operand pays a quantization that the compiled step fuses and shares.
-                plan = share_quantizations(
-                    plan, max_mere=self.config.max_mere, min_speedup=self.config.min_speedup,
+                share = functools.partial(
+                    share_quantizations, max_mere=self.config.max_mere, min_speedup=self.config.min_speedup,
                     max_noise_ratio=self.config.max_grad_noise_ratio,
                 )
-        plan = self._annotated(self._broadcast(plan))
-        self.plan = plan
+                plan, gated = share(plan), share(gated)
+            plans = [plan]
+            if self._tries_plans():  # the compiled step judges the plans the layer check judged eagerly
+                plans = [p for _, p in candidate_plans(plan, gated)] or [plan]
+        plans = [self._annotated(p) for p in self._broadcast_plans(plans)]
+        self._trials = None
+        if len(plans) > 1:  # both candidates, the layer-checked one first
+            self._trials = PlanTrials.of([(LAYER_CHECKED, plans[0]), (ACCURACY_GATED, plans[1])])
+        plan = self.plan = plans[0]
         self._guard.restart()
         self._apply(plan)
         self._verify_identical()
@@ -254,10 +265,15 @@ class Dispatcher(EvidenceConsumer):
         wall time, ``check_seconds``, also logged).
         """
         start = time.perf_counter()
+        target = self.plan_to_check
         plan, records = check_plan_gradients(
-            self.plan, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db,
+            target, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db,
             max_noise_ratio=self.config.max_grad_noise_ratio, compiled=self.config.compiled,
         )
+        if self._trials is not None:  # what the broadest candidate may not run in FP8, none may
+            self._trials.demote_like(target, plan)
+            self._trials.candidates = [self._annotated(p) for p in self._broadcast_plans(self._trials.candidates)]
+            plan = self._trials.current()
         plan = self._annotated(self._broadcast(plan))
         seconds = time.perf_counter() - start
         for record in records:
@@ -340,6 +356,9 @@ class Dispatcher(EvidenceConsumer):
         verdict = self._agree(verdict)
         self._record({"event": "step_guard", "step": step, "bf16_ms": verdict.bf16_ms, "fp8_ms": verdict.fp8_ms,
                       "keep_fp8": verdict.keep_fp8})  # fmt: skip
+        if self._trials is not None and not self._trials.done:
+            self._next_trial(step, verdict)
+            return verdict
         if verdict.keep_fp8:
             self._announce(f"{verdict.describe()} at step {step}")
             return verdict
@@ -348,6 +367,42 @@ class Dispatcher(EvidenceConsumer):
         self._save_plan()
         self._announce(f"{self.step_guard_reason} at step {step}")
         return verdict
+
+    def _tries_plans(self) -> bool:
+        """Whether a policy plan is judged by plan trials (:mod:`~loka_torchrec.dispatch.plan_trials`):
+        where the layers run compiled and the step-time guard is on."""
+        return self.config.compiled and self._guard.enabled
+
+    @property
+    def plan_to_check(self) -> DispatchPlan:
+        """The plan the gradient check must see: the broadest candidate while plan trials go on,
+        else the plan."""
+        return self._trials.broadest() if self._trials is not None and not self._trials.done else self.plan
+
+    @property
+    def trials(self) -> Optional[PlanTrials]:
+        """The plan trials of the last policy plan (``None``: one candidate, judged by the guard alone)."""
+        return self._trials
+
+    def _next_trial(self, step: int, verdict: GuardVerdict) -> None:
+        """A candidate's window is complete: try the next one, or keep the fastest (or bf16)."""
+        trials = self._trials
+        label = trials.labels[trials.index]
+        trials.record(verdict.bf16_ms, verdict.fp8_ms, tolerance=self._guard.tolerance)
+        self._record({"event": "plan_trial", "step": step, "candidate": label, "bf16_ms": verdict.bf16_ms,
+                      "fp8_ms": verdict.fp8_ms, "fp8_gemms": self.plan.fp8_gemm_count()})  # fmt: skip
+        if trials.chosen == BF16_CHOSEN:
+            self.step_guard_reason = trials.describe()
+        self.plan = trials.current()
+        if not trials.done:
+            self._guard.restart()  # the next candidate's window, against the same bf16 steps
+        self._apply(self.plan)
+        self._verify_identical()
+        self._save_plan()
+        if trials.done:
+            self._record({"event": "plan_selected", "step": step, "chosen": None if trials.chosen == BF16_CHOSEN
+                          else trials.labels[trials.chosen], "summary": trials.describe()})  # fmt: skip
+        self._announce(f"{trials.describe()} at step {step}" + ("" if trials.done else f"; now trying the {trials.labels[trials.index]} plan"))
 
     def _runs_fp8(self) -> bool:
         return any(not m.kernels.all_high_precision for m in self._layers.values())
@@ -457,6 +512,7 @@ class Dispatcher(EvidenceConsumer):
             "fallen_back": dict(self._fallen_back),
             "step_guard_reason": self.step_guard_reason,
             "guard": self._guard.state_dict(),
+            "trials": None if self._trials is None else self._trials.to_dict(),
             "events": list(self.events),
             "config": dataclasses.asdict(self.config),
         }
@@ -500,6 +556,7 @@ class Dispatcher(EvidenceConsumer):
             self.step_guard_reason = state.get("step_guard_reason")
             if "guard" in state:
                 self._guard.load_state_dict(state["guard"])
+            self._trials = None if state.get("trials") is None else PlanTrials.from_dict(state["trials"])
             self._warn_differing_fields(saved, saved_config)
         else:
             self.plan = self._annotated(self.plan)
@@ -655,6 +712,15 @@ class Dispatcher(EvidenceConsumer):
 
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if self._distributed() else 0
+
+    def _broadcast_plans(self, plans: Optional[List[DispatchPlan]]) -> List[DispatchPlan]:
+        """Rank 0's list of plans, on every rank."""
+        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
+            return list(plans)
+        payload = [[p.to_dict() for p in plans] if plans is not None else None]
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        dist.broadcast_object_list(payload, src=src, group=self.process_group)
+        return [DispatchPlan.from_dict(p) for p in payload[0]]
 
     def _broadcast(self, plan: Optional[DispatchPlan]) -> DispatchPlan:
         if not self._distributed() or dist.get_world_size(self.process_group) == 1:

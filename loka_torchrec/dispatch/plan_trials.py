@@ -1,0 +1,178 @@
+"""Plan trials: candidate plans judged by the compiled training step itself, the fastest kept.
+
+The policy plans each GEMM from evidence measured on that GEMM alone, and the layer check then
+times each FP8 layer alone, eagerly: its operand casts are separate kernels there. In a compiled
+step Inductor fuses those casts into the ops that produce the operands and shares them between
+GEMMs, so a layer that lost the layer check can still make the step faster (and, the other way,
+host work or a broken fusion can make a plan that passed it slower). Only the step can tell.
+
+So where the layers run compiled, Dispatch keeps the plans worth trying, the conservative one
+first:
+
+1. ``"layer-checked"``: the policy's plan after the layer check (every layer whose FP8 variant
+   was not faster alone back in bf16);
+2. ``"accuracy-gated"``: the policy's plan before it (every GEMM that passed the accuracy and
+   speed gates on its own evidence).
+
+Plans without an FP8 GEMM, and a second plan equal to the first, are dropped. Each candidate runs
+for one window of the step-time guard (:mod:`loka_torchrec.dispatch.step_guard`: a few settling
+steps, then ``window`` timed steps, against the bf16 steps before the plan); when every candidate
+has its median, the fastest one that is not slower than bf16 (within the guard's tolerance) is
+kept, else every GEMM returns to bf16. The gradient check runs on the broadest candidate and what
+it sends back to bf16 is sent back in every candidate (:meth:`PlanTrials.demote_like`).
+
+:class:`PlanTrials` is bookkeeping only; the
+:class:`~loka_torchrec.dispatch.dispatcher.Dispatcher` applies the plans, makes ranks agree on
+each verdict and records the events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from loka_torchrec.dispatch.plan import DispatchPlan
+
+__all__ = ["PlanTrials", "candidate_plans", "LAYER_CHECKED", "ACCURACY_GATED", "BF16_CHOSEN"]
+
+LAYER_CHECKED = "layer-checked"
+ACCURACY_GATED = "accuracy-gated"
+BF16_CHOSEN = -1
+""":attr:`PlanTrials.chosen` when no candidate was faster than bf16."""
+
+
+@dataclasses.dataclass
+class PlanTrials:
+    """Candidate plans tried one after the other, each for one step-time guard window.
+
+    Attributes:
+        candidates: the plans, in the order they are tried (see the module docstring).
+        labels: what each candidate is (:data:`LAYER_CHECKED`, :data:`ACCURACY_GATED`).
+        medians: per tried candidate, ``(bf16_ms, fp8_ms)``: the guard's medians before the plan and
+            with it (``None`` while not tried).
+        index: the candidate on trial now (``len(candidates)`` once all are tried).
+        chosen: the kept candidate's index, :data:`BF16_CHOSEN`, or ``None`` while trials go on.
+
+    Example::
+
+        >>> from loka_torchrec.dispatch.plan import DispatchPlan
+        >>> trials = PlanTrials.of([(LAYER_CHECKED, DispatchPlan({}, "policy")), (ACCURACY_GATED, DispatchPlan({}, "policy", step=1))])
+        >>> trials.record(20.0, 19.0, tolerance=0.02)  # the layer-checked plan: 19 ms against 20 ms in bf16
+        >>> trials.record(20.0, 17.0, tolerance=0.02)  # the accuracy-gated plan: faster still
+        >>> trials.chosen, trials.describe()
+        (1, 'plan trials kept the accuracy-gated plan: median step 17.00 ms against 20.00 ms in bf16 (layer-checked 19.00 ms)')
+    """
+
+    candidates: List[DispatchPlan]
+    labels: List[str]
+    medians: List[Optional[Tuple[float, float]]]
+    index: int = 0
+    chosen: Optional[int] = None
+
+    @classmethod
+    def of(cls, labelled: Sequence[Tuple[str, DispatchPlan]]) -> "PlanTrials":
+        """Trials of ``(label, plan)`` pairs, in order."""
+        if not labelled:
+            raise ValueError("plan trials: need at least one candidate plan")
+        return cls([p for _, p in labelled], [label for label, _ in labelled], [None] * len(labelled))
+
+    @property
+    def done(self) -> bool:
+        return self.chosen is not None
+
+    def current(self) -> DispatchPlan:
+        """The plan to run now: the one on trial, or the kept one (the first for bf16: the caller
+        turns FP8 off)."""
+        if self.chosen is not None:
+            return self.candidates[max(self.chosen, 0)]
+        return self.candidates[self.index]
+
+    def broadest(self) -> DispatchPlan:
+        """The candidate with the most FP8 GEMMs (the one the gradient check must see)."""
+        return max(self.candidates, key=lambda p: p.fp8_gemm_count())
+
+    def record(self, bf16_ms: float, fp8_ms: float, *, tolerance: float) -> None:
+        """The guard's medians for the candidate on trial; after the last one, choose."""
+        if self.chosen is not None:
+            raise RuntimeError("plan trials: every candidate was tried already")
+        self.medians[self.index] = (float(bf16_ms), float(fp8_ms))
+        self.index += 1
+        if self.index == len(self.candidates):
+            self.chosen = self._fastest(tolerance)
+
+    def _fastest(self, tolerance: float) -> int:
+        kept = [
+            (m[1], i) for i, m in enumerate(self.medians) if m is not None and m[1] <= m[0] * (1.0 + tolerance)
+        ]
+        return min(kept)[1] if kept else BF16_CHOSEN
+
+    def demote_like(self, original: DispatchPlan, checked: DispatchPlan) -> None:
+        """Where ``checked`` (the gradient check's result for ``original``) sent an FP8 role back to
+        bf16, send it back in every candidate too, with the check's reason."""
+        demoted = {
+            (name, role): decision
+            for name, layer in checked.layers.items()
+            for role, decision in layer.roles.items()
+            if decision.choice.is_high_precision
+            and name in original.layers and role in original.layers[name].roles
+            and not original.layers[name].roles[role].choice.is_high_precision
+        }  # fmt: skip
+        self.candidates = [_with_decisions(plan, demoted) for plan in self.candidates]
+
+    def describe(self) -> str:
+        """One line: what was kept, with every candidate's median."""
+        tried = [(label, m) for label, m in zip(self.labels, self.medians) if m is not None]
+        if not tried:
+            return "plan trials: nothing tried yet"
+        bf16_ms = tried[0][1][0]
+        if self.chosen == BF16_CHOSEN:
+            each = ", ".join(f"{label} {m[1]:.2f} ms" for label, m in tried)
+            return f"plan trials returned to bf16: no candidate plan was faster than {bf16_ms:.2f} ms in bf16 ({each})"
+        if self.chosen is None:
+            label, m = tried[-1]
+            return f"plan trials: the {label} plan ran a median step of {m[1]:.2f} ms against {bf16_ms:.2f} ms in bf16"
+        others = ", ".join(f"{label} {m[1]:.2f} ms" for i, (label, m) in enumerate(tried) if i != self.chosen)
+        kept = self.medians[self.chosen]
+        return (
+            f"plan trials kept the {self.labels[self.chosen]} plan: median step {kept[1]:.2f} ms against "
+            f"{kept[0]:.2f} ms in bf16" + (f" ({others})" if others else "")
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "candidates": [p.to_dict() for p in self.candidates],
+            "labels": list(self.labels),
+            "medians": [None if m is None else list(m) for m in self.medians],
+            "index": self.index,
+            "chosen": self.chosen,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PlanTrials":
+        return cls(
+            [DispatchPlan.from_dict(p) for p in d["candidates"]],
+            list(d["labels"]),
+            [None if m is None else (float(m[0]), float(m[1])) for m in d["medians"]],
+            int(d["index"]),
+            None if d.get("chosen") is None else int(d["chosen"]),
+        )
+
+
+def _with_decisions(plan: DispatchPlan, decisions: Dict[Tuple[str, Any], Any]) -> DispatchPlan:
+    layers = dict(plan.layers)
+    for (name, role), decision in decisions.items():
+        layer = layers.get(name)
+        if layer is None or role not in layer.roles or layer.roles[role].choice.is_high_precision:
+            continue
+        layers[name] = dataclasses.replace(layer, roles={**layer.roles, role: decision})
+    return dataclasses.replace(plan, layers=layers)
+
+
+def candidate_plans(layer_checked: DispatchPlan, accuracy_gated: DispatchPlan) -> List[Tuple[str, DispatchPlan]]:
+    """The candidates worth a trial, in order: those with an FP8 GEMM, a repeat dropped."""
+    out: List[Tuple[str, DispatchPlan]] = []
+    for label, plan in ((LAYER_CHECKED, layer_checked), (ACCURACY_GATED, accuracy_gated)):
+        if plan.fp8_gemm_count() and all(plan.digest() != p.digest() for _, p in out):
+            out.append((label, plan))
+    return out

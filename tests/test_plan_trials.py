@@ -1,0 +1,178 @@
+"""Plan trials: where the layers run compiled, the step judges the layer-checked and the accuracy-gated
+plans, and the fastest is kept (or bf16)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import loka_torchrec
+from loka_torchrec.dispatch import DispatchConfig
+from loka_torchrec.dispatch import dispatcher as dispatcher_module
+from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
+from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans
+from loka_torchrec.evidence import BF16, GemmRole, KernelChoice
+
+TW = KernelChoice("emulated", "tensorwise")
+
+
+def _plan(fp8_layers, step=1):
+    layers = {}
+    for name in ("a", "b", "c"):
+        choice = TW if name in fp8_layers else BF16
+        layers[name] = LayerPlan(name, 8, 8, 16, {role: RoleDecision(choice, "r", "policy/probe") for role in GemmRole})
+    return DispatchPlan(layers, "policy", step)
+
+
+def test_the_fastest_candidate_is_kept_and_bf16_when_none_is_faster():
+    trials = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    assert trials.labels == [LAYER_CHECKED, ACCURACY_GATED] and trials.current().fp8_gemm_count() == 3
+    trials.record(10.0, 9.8, tolerance=0.02)
+    assert not trials.done and trials.current().fp8_gemm_count() == 6  # the next candidate is on trial
+    trials.record(10.0, 9.0, tolerance=0.02)
+    assert trials.chosen == 1 and trials.current().fp8_gemm_count() == 6
+    assert "kept the accuracy-gated plan: median step 9.00 ms against 10.00 ms in bf16 (layer-checked 9.80 ms)" in trials.describe()
+    slower = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    slower.record(10.0, 10.3, tolerance=0.02)
+    slower.record(10.0, 10.5, tolerance=0.02)
+    assert slower.chosen == BF16_CHOSEN and "returned to bf16" in slower.describe()
+    within = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    within.record(10.0, 10.1, tolerance=0.02)  # inside the tolerance: not slower
+    within.record(10.0, 10.15, tolerance=0.02)
+    assert within.chosen == 0
+    with pytest.raises(RuntimeError, match="every candidate was tried"):
+        within.record(10.0, 9.0, tolerance=0.02)
+
+
+def test_candidates_without_fp8_or_repeated_are_dropped():
+    assert [label for label, _ in candidate_plans(_plan(set()), _plan({"a"}))] == [ACCURACY_GATED]
+    assert [label for label, _ in candidate_plans(_plan({"a"}), _plan({"a"}))] == [LAYER_CHECKED]
+    assert candidate_plans(_plan(set()), _plan(set())) == []
+    with pytest.raises(ValueError, match="at least one candidate"):
+        PlanTrials.of([])
+
+
+def test_what_the_gradient_check_demotes_in_the_broadest_plan_is_demoted_in_every_candidate():
+    trials = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    broadest = trials.broadest()
+    assert broadest.fp8_gemm_count() == 6
+    checked_layers = dict(broadest.layers)
+    demoted = RoleDecision(BF16, "gradient check: hurts b's weight gradient", "policy/grad_check")
+    roles = dict(checked_layers["a"].roles)
+    roles[GemmRole.FORWARD] = demoted
+    checked_layers["a"] = dataclasses.replace(checked_layers["a"], roles=roles)
+    trials.demote_like(broadest, dataclasses.replace(broadest, layers=checked_layers))
+    for plan in trials.candidates:
+        decision = plan.layers["a"].roles[GemmRole.FORWARD]
+        assert decision.choice == BF16 and decision.reason.startswith("gradient check")
+    assert [p.fp8_gemm_count() for p in trials.candidates] == [2, 5]
+
+
+def test_trials_round_trip_through_their_dict():
+    trials = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    trials.record(10.0, 9.5, tolerance=0.02)
+    back = PlanTrials.from_dict(json.loads(json.dumps(trials.to_dict())))
+    assert back.index == 1 and back.medians == [(10.0, 9.5), None] and back.chosen is None
+    assert [p.digest() for p in back.candidates] == [p.digest() for p in trials.candidates]
+
+
+# ------------------------------------------------------------------ through the dispatcher
+def _compiled_dispatcher(tmp_path, monkeypatch, window=3):
+    """A dispatcher of a 3-layer model planning from random evidence as a compiled job does, whose
+    layer check keeps only the first layer in FP8 (so the accuracy-gated plan differs from it)."""
+    def layer_check_keeping_the_first(plan, layers, **kwargs):
+        first = sorted(plan.layers)[0]
+        checked = {name: (lp if name == first else dataclasses.replace(lp, roles={
+            role: RoleDecision(BF16, "layer check: slower alone", "policy/layer_check") for role in lp.roles}))
+            for name, lp in plan.layers.items()}  # fmt: skip
+        return dataclasses.replace(plan, layers=checked), []
+
+    monkeypatch.setattr(dispatcher_module, "check_plan_layers", layer_check_keeping_the_first)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 16))
+    cfg = DispatchConfig(mode="policy", plan_at_step=1, min_speedup=0.0, samples=3, timing_reps=1, step_guard_window=window,
+                         layer_check_reps=1, candidates=("scaled_mm:tensorwise",), compiled=True)  # fmt: skip
+    report = loka_torchrec.apply(model, cfg, run_dir=str(tmp_path))
+    model(torch.randn(64, 32)).sum().backward()
+    return model, report.dispatcher
+
+
+def _run_window(d, first_step, ms, window=3, settle=5):
+    return [d.observe_step_time(step, ms) for step in range(first_step, first_step + settle + window)]
+
+
+@pytest.mark.parametrize("checked_ms, gated_ms, kept", [(9.5, 8.0, ACCURACY_GATED), (8.0, 9.5, LAYER_CHECKED), (10.6, 10.4, None)])
+def test_the_dispatcher_tries_both_plans_and_keeps_the_fastest(tmp_path, monkeypatch, checked_ms, gated_ms, kept):
+    model, d = _compiled_dispatcher(tmp_path, monkeypatch)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)  # bf16 before the plan
+    d.on_step_end(1)
+    trials = d.trials
+    assert trials is not None and trials.labels == [LAYER_CHECKED, ACCURACY_GATED]
+    checked, gated = (p.fp8_gemm_count() for p in trials.candidates)
+    assert 0 < checked < gated
+    assert d.plan.fp8_gemm_count() == checked and d.in_force().fp8_gemm_count() == checked  # the layer-checked plan first
+    assert d.plan_to_check.fp8_gemm_count() == gated  # the gradient check must see the broadest
+    _run_window(d, 4, checked_ms)
+    assert d.plan.fp8_gemm_count() == gated and d.in_force().fp8_gemm_count() == gated  # then the accuracy-gated one
+    _run_window(d, 12, gated_ms)
+    assert trials.done
+    if kept is None:
+        assert d.in_force().fp8_gemm_count() == 0 and "returned to bf16" in d.step_guard_reason
+    else:
+        assert d.step_guard_reason is None and trials.labels[trials.chosen] == kept
+        assert d.in_force().fp8_gemm_count() == (gated if kept == ACCURACY_GATED else checked)
+    model(torch.randn(8, 32)).sum().backward()  # the kept kernels run
+    events = [json.loads(line) for line in (tmp_path / "dispatch_events.jsonl").read_text().splitlines()]
+    assert [e["candidate"] for e in events if e["event"] == "plan_trial"] == [LAYER_CHECKED, ACCURACY_GATED]
+    (selected,) = [e for e in events if e["event"] == "plan_selected"]
+    assert selected["chosen"] == kept
+    in_force = d.in_force().fp8_gemm_count()
+    assert all(v is None for v in _run_window(d, 20, 50.0))  # no verdict after the trials: the choice stands
+    assert d.in_force().fp8_gemm_count() == in_force
+
+
+def test_a_checkpoint_in_the_middle_of_the_trials_resumes_them(tmp_path, monkeypatch):
+    model, d = _compiled_dispatcher(tmp_path / "a", monkeypatch)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    _run_window(d, 4, 9.0)  # the layer-checked plan is judged; the accuracy-gated one is on trial
+    state = json.loads(json.dumps(d.state_dict()))
+    model2, d2 = _compiled_dispatcher(tmp_path / "b", monkeypatch)
+    d2.load_state_dict(state)
+    assert d2.trials.index == 1 and d2.plan.digest() == d.plan.digest()
+    _run_window(d2, 12, 8.5)
+    assert d2.trials.labels[d2.trials.chosen] == ACCURACY_GATED
+
+
+def test_eager_jobs_keep_one_plan(tmp_path, monkeypatch):
+    """Eagerly the layer check timed the layers as the step runs them: no trials."""
+    model, d = _compiled_dispatcher(tmp_path, monkeypatch)
+    d.config = dataclasses.replace(d.config, compiled=False)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    assert d.trials is None and d.plan.fp8_gemm_count() == 3
+
+
+def test_a_compiled_jobs_eager_probe_steps_are_not_the_guards_bf16_baseline(tmp_path):
+    """Every warm-up step of a cadence-1 Probe runs eagerly: none of their times may stand for the
+    compiled bf16 step the FP8 plan is compared with (the baseline fills from compiled steps only)."""
+    import outside_models
+
+    torch._dynamo.reset()
+    model = outside_models.UserWukong()
+    config = loka_torchrec.LokaConfig.from_dict({
+        "enabled": True, "probe": {"every": 1, "warmup_steps": 100},
+        "dispatch": {"min_speedup": 0.0, "layer_check_reps": 0, "grad_check": False, "step_guard_window": 4},
+    })  # fmt: skip
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), compile="default", device="cpu")
+    for step in range(1, 5):
+        with loka.step(step):
+            model(*model.batch(16, seed=step)).sum().backward()
+    assert loka.dispatcher.state_dict()["guard"]["baseline"] == []
+    loka.close()
+    torch._dynamo.reset()
