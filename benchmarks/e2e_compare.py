@@ -590,6 +590,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "plan_file": loka.get("plan_file"),
             "layer_checks": loka.get("layer_checks") or [],
             "step_guard_verdicts": loka.get("step_guard_verdicts") or [],
+            "plan_trials": loka.get("plan_trials") or [],
             "step_guard": loka.get("step_guard"),
             "seconds": loka.get("seconds"),
             "monitoring": loka.get("monitoring"),
@@ -853,7 +854,8 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         "",
         "Layer check: FP8 layers timed whole (fwd + bwd) against bf16 right after the plan, kept / checked "
         "(`loka.dispatch.layer_check_reps`). Guard: the step-time guard's verdict, median step in bf16 before the "
-        "plan vs with the plan (`loka.dispatch.step_guard_window`). Probe cost: the probe steps' extra time over "
+        "plan vs with the plan (`loka.dispatch.step_guard_window`); compiled, each candidate plan's median in turn "
+        "(plan trials: layer-checked, then accuracy-gated) and the one kept. Probe cost: the probe steps' extra time over "
         "nearby plain steps, as a share of this run's step time, and projected for a 100k-step run at the run's "
         "cadence (the warm-up probe steps stand in for monitoring steps the run did not reach; monitoring every N "
         "steps: the interval `loka.probe.monitor_budget` sets for that extra). Plan seconds: host time of the "
@@ -870,7 +872,14 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         kept = sum(1 for c in checks if c.get("kept_fp8"))
         verdicts = d.get("step_guard_verdicts") or []
         guard = "none"
-        if verdicts:
+        trials = d.get("plan_trials") or []
+        if trials:  # compiled: each candidate plan's median, then the one kept
+            tried = [t for t in trials if t.get("event") == "plan_trial"]
+            chosen = next((t.get("chosen") for t in trials if t.get("event") == "plan_selected"), "?")
+            guard = f"{_fmt(tried[0].get('bf16_ms'), '.2f')} -> " + ", ".join(
+                f"{t.get('candidate')} ({t.get('fp8_gemms')} FP8) {_fmt(t.get('fp8_ms'), '.2f')}" for t in tried
+            ) + f"; kept {chosen or 'bf16'}"
+        elif verdicts:
             v = verdicts[-1]
             guard = f"{_fmt(v.get('bf16_ms'), '.2f')} -> {_fmt(v.get('fp8_ms'), '.2f')} ({'kept' if v.get('keep_fp8') else 'back to bf16'})"
         cost = r.get("probe_cost") or {}

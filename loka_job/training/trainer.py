@@ -775,6 +775,8 @@ class Trainer:
             # What the checks after planning saw (rank 0 records them): layer timings, guard verdicts.
             "layer_checks": [e for e in self.loka.dispatcher.events if e.get("event") == "layer_check"],
             "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
+            # compiled: the candidate plans the step judged, and the one kept (loka_torchrec.dispatch.plan_trials)
+            "plan_trials": [e for e in self.loka.dispatcher.events if e.get("event") in ("plan_trial", "plan_selected")],
             # Where planning time went (host seconds, this rank): the Probe's parts and Dispatch's.
             "seconds": {
                 "probe": dict(self.probe.seconds) if self.probe is not None else None,
