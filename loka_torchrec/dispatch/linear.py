@@ -516,6 +516,11 @@ class _LokaLinearFunction(torch.autograd.Function):
         # forward and backward; it is the Parameter itself, no copy.
         ctx.save_for_backward(weight, *x_tensors, *w_t_tensors)
         nonfinite = q.total()
+        if nonfinite is None and state is None:
+            # Compiled, the second output is a tensor even where the forward quantized nothing (a
+            # bf16 forward with an FP8 backward): torch 2.11's Dynamo calls .contiguous() on the
+            # backward's grad of every output, which fails on a None output.
+            nonfinite = torch.zeros((), dtype=torch.int64, device=x2d.device)
         if nonfinite is not None:
             ctx.mark_non_differentiable(nonfinite)
         return y, nonfinite
