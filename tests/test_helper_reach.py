@@ -132,6 +132,14 @@ def test_the_source_is_followed_into_the_code_the_parameter_is_passed_to(attr, e
     assert (use.layout, use.unresolved, use.transformed) == expected
 
 
+def test_the_docstring_examples_run():
+    import doctest
+
+    from loka_torchrec.dispatch import gemm_source
+
+    assert doctest.testmod(gemm_source).failed == 0
+
+
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_hstu_helper_projections_are_read_from_the_source(layer):
     """Positional into a free function and a child module's forward; keyword into another module's

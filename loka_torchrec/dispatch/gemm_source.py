@@ -61,7 +61,7 @@ def einsum_layout(equation: str) -> Optional[str]:
 
     Example::
 
-        >>> einsum_layout("bsk,kn->bsn"), einsum_layout("bk,nk->bn"), einsum_layout("bij,jk->bik")
+        >>> einsum_layout("bsk,kn->bsn"), einsum_layout("bk,nk->bn"), einsum_layout("ij,jk->ki")
         ('matmul', 'linear', None)
     """
     match = _EINSUM.match(equation)
