@@ -8,6 +8,8 @@ run LoKA on them through the README's loop.
 * :class:`UserHstuLayer`: an HSTU layer as its production code is written: the projections are
   ``torch.addmm`` calls on Parameters of the layer, made inside free functions and a child
   module's forward that receive the Parameters as arguments.
+* :class:`KeywordHstuLayer`: the same layer with its projections in another Python module
+  (``outside_hstu_ops``), to which it passes its Parameters by keyword.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import outside_hstu_ops
 
 
 class Mlp(nn.Sequential):
@@ -142,10 +146,31 @@ class UserHstuLayer(nn.Module):
         return out.view(batch, length, dim)
 
 
+class KeywordHstuLayer(UserHstuLayer):
+    """``UserHstuLayer``'s Parameters and math, its projections in ``outside_hstu_ops``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        flat = x.reshape(-1, dim)
+        u, v, q, k = outside_hstu_ops.compute_uvqk(
+            flat, norm_eps=1e-6, num_heads=self.heads, head_dim=self.head_dim,
+            uvqk_weight=self._uvqk_weight, uvqk_bias=self._uvqk_bias,
+        )  # fmt: skip
+        shape = (batch, length, self.heads, self.head_dim)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        scores = F.silu(q @ k.transpose(-1, -2)) / length
+        scores = scores * torch.ones(length, length, device=x.device).tril()
+        attended = (scores @ v).transpose(1, 2).reshape(-1, self.heads * self.head_dim)
+        out = outside_hstu_ops.compute_output(attended, u, x=flat + self._output_bias, output_weight=self._output_weight)
+        return out.view(batch, length, dim)
+
+
 class UserHstu(nn.Module):
-    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+    """``(B, L, dim) -> (B, L)`` logits: HSTU layers, then a linear head."""
+
+    def __init__(self, dim: int = 32, layers: int = 2, layer: type = UserHstuLayer) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([UserHstuLayer(dim) for _ in range(layers)])
+        self.layers = nn.ModuleList([layer(dim) for _ in range(layers)])
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -301,3 +301,58 @@ def test_probe_learns_parameter_site_statistics(tmp_path):
         probe.on_step_end(step)
     assert probe.layer_state("0._uvqk_weight").rows > 0
     probe.close()
+
+
+class _Unflattens(nn.Module):
+    """User code in a scope calling ``Tensor.unflatten``, a method written in Python that ends in
+    ``super().unflatten(...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) * 32**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = (x @ self.weight).unflatten(-1, (4, 8))
+        return heads.softmax(-1).flatten(-2)
+
+
+def test_a_tensor_method_ending_in_super_compiles_inside_a_scope():
+    """Dynamo refuses ``super()`` in ``Tensor.unflatten`` called as a plain function, which is how a
+    torch-function mode receives it: the scope's mode calls it as a method again."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _Unflattens()
+    loka_torchrec.apply(model, DispatchConfig(mode=FP8))
+    x = torch.randn(6, 32)
+    y_eager = model(x)
+    y = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert not counters["graph_break"] and model._loka_sites["weight"].last_rows == 6
+    torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("forward", ["bf16:hp", "emulated:rowwise"])
+def test_compiled_bias_free_sites_get_the_eager_gradients(forward):
+    """A bias-free site whose forward GEMM returns its result unconverted (the same dtype): torch
+    2.11's Dynamo gave the inputs of an autograd.Function that returns a same-dtype ``.to()`` zero
+    gradients. Forward in bf16 with FP8 gradients is what the gradient check leaves a site with."""
+    from loka_torchrec.dispatch.layer_kernels import LayerKernels
+    from loka_torchrec.evidence import KernelChoice
+
+    torch._dynamo.reset()
+    model = _Unflattens()
+    loka_torchrec.apply(model, DispatchConfig(mode=FP8))
+    fp8 = KernelChoice("emulated", "rowwise")
+    model._loka_sites["weight"].set_kernels(LayerKernels(fwd=KernelChoice(*forward.split(":")), dgrad=fp8, wgrad=fp8))
+    x = torch.randn(6, 32, requires_grad=True)
+    grads = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        x.grad = None
+        run(x).square().sum().backward()
+        grads.append((model.weight.grad.clone(), x.grad.clone()))
+    (w_eager, x_eager), (w_compiled, x_compiled) = grads
+    assert w_eager.abs().sum() > 0
+    torch.testing.assert_close(w_compiled, w_eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_compiled, x_eager, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import inspect
+import logging
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -12,10 +12,13 @@ from torch import nn
 
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.linear import GemmSite, LokaLinear
-from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, guess_layout, scope_module, scoped_sites
+from loka_torchrec.dispatch.gemm_source import LINEAR, parameter_use
+from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, scope_module, scoped_sites
 from loka_torchrec.fp8 import Fp8Format
 
 __all__ = ["ConversionReport", "convert_linears", "canonical_fqn", "WRAPPER_PREFIXES"]
+
+logger = logging.getLogger(__name__)
 
 WRAPPER_PREFIXES = ("_dmp_wrapped_module.", "module.", "_orig_mod.")
 """Prefixes DMP, DDP and torch.compile add to FQNs; canonical names drop them."""
@@ -90,6 +93,29 @@ def _mha_unsupported(module: nn.MultiheadAttention) -> Optional[str]:
     return None
 
 
+def _site_layout(
+    module: nn.Module, attr: str, param: torch.Tensor, pname: str, report: ConversionReport, *, entry: bool
+) -> Optional[str]:
+    """The orientation of a new site for ``module``'s Parameter ``param`` (``self.<attr>``, or an entry
+    of that container: ``entry``), from how its code multiplies by it; ``None`` (and why, in
+    ``report``, under ``pname``) if it is not to be a site."""
+    use = parameter_use(module, attr, entry=entry)
+    if use.layout is not None:
+        return use.layout
+    if use.unresolved or not use.readable:
+        # Passed to code whose GEMM cannot be read from the source: a site all the same, whose first
+        # eager call sets its orientation; if it never runs as a GEMM, the Dispatcher says so.
+        logger.info("dispatch: %s: no GEMM on it in the source (%s): a site oriented by its first call", pname,
+                    "; ".join(use.unresolved) or f"{type(module).__name__}'s source is not available")  # fmt: skip
+        return LINEAR
+    if use.transformed:
+        report.skipped.append((pname, f"multiplied only as a view or cast ({'; '.join(use.transformed)}): no site reaches it"))
+        report.unreached[pname] = int(param.numel())
+        return None
+    report.skipped.append((pname, f"{type(module).__name__}'s code multiplies no GEMM by it: left as is"))
+    return None
+
+
 def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str, nn.Module], ConversionReport]:
     """Make every selected GEMM of ``model`` a Dispatch site, in place; report what was not reached.
 
@@ -154,14 +180,11 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
             if path in previous:
                 site = previous[path]
             else:
-                layout = "linear" if isinstance(module, nn.MultiheadAttention) else guess_layout(type(module), attr)
+                layout = LINEAR if isinstance(module, nn.MultiheadAttention) else _site_layout(
+                    module, attr, param, pname, report, entry=holder is not module
+                )
                 if layout is None:
-                    try:
-                        inspect.getsource(type(module))
-                        report.skipped.append((pname, f"{type(module).__name__}'s source multiplies no GEMM by it: left as is"))
-                        continue
-                    except (OSError, TypeError):
-                        layout = "linear"  # no source to read: the first call reorients the site if needed
+                    continue
                 site = ParameterSite(
                     holder, key, layout=layout, grad_format=grad_format, forward_scaling=config.site_forward_scaling
                 )

@@ -40,41 +40,41 @@ PyTorch never calls, MultiheadAttention's ``out_proj``, is reached by the attent
 
 **Orientation.** A Parameter multiplied as ``F.linear(x, P)`` is ``(out, in)``; as ``x @ P`` it is
 ``(in, out)`` and the site's ``weight`` is the view ``P.t()``. The orientation is read from the
-owner class's source when the site is made (:func:`guess_layout`) and corrected at the first eager
-call if the source misled (before the site ever ran; a square Parameter cannot be told apart and
-needs no correction). A call in an orientation the site does not have runs in high precision and is
-recorded in :attr:`ParameterSite.unreached_calls`.
+owner's code when the site is made (:mod:`loka_torchrec.dispatch.gemm_source`, which follows the
+Parameter into the helper functions and child modules it is passed to), so that a compiled step
+that never runs eagerly has it right. A Parameter passed to code whose GEMM the source does not show
+is a site of the default orientation; its first eager call, before the site ever ran, sets the
+orientation from the call itself (``addmm(b, x, P)`` is ``"matmul"``, square Parameters included). A
+call in an orientation the site does not have after that runs in high precision and is recorded in
+:attr:`ParameterSite.unreached_calls`.
 
-Not reached (high precision, reported by :func:`install_sites` or as "never ran" by the
-Dispatcher): batched GEMMs on 3-D Parameters (``bmm``/``baddbmm`` per-head weights), a Parameter
-used transposed in a way the site does not model (``P @ x`` for a ``(in, out)`` Parameter,
-``P.t()`` passed to a GEMM), MultiheadAttention with separate q/k/v weights, ``bias_k``/``bias_v``
-or ``add_zero_attn``, cross-attention's sliced in-projection.
+Not reached (high precision, reported by :func:`~loka_torchrec.dispatch.convert.convert_linears` or
+as "never ran" by the Dispatcher): batched GEMMs on 3-D Parameters (``bmm``/``baddbmm`` per-head
+weights), a GEMM on a view or cast of a Parameter (``x @ P.t()``, ``F.linear(x, P.to(dtype))``),
+``P @ x`` with a non-2-D ``x`` for a ``(in, out)`` Parameter, MultiheadAttention with separate q/k/v
+weights, ``bias_k``/``bias_v`` or ``add_zero_attn``, cross-attention's sliced in-projection.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import math
-import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from loka_torchrec.dispatch.gemm_source import LINEAR, MATMUL, einsum_layout
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.linear import GemmSite, LokaLinear, compiling
 from loka_torchrec.fp8 import Fp8Format
 
-__all__ = ["ParameterSite", "SiteMode", "guess_layout", "scope_module", "FAST_PATH_MODULES"]
+__all__ = ["ParameterSite", "SiteMode", "scope_module", "FAST_PATH_MODULES"]
 
 logger = logging.getLogger(__name__)
 
-LINEAR, MATMUL = "linear", "matmul"
 FAST_PATH_MODULES: Tuple[type, ...] = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
 """Modules whose forward has a fused fast path that bypasses their GEMMs: always scopes."""
 
@@ -154,7 +154,7 @@ class ParameterSite(GemmSite):
         """Take ``layout`` if the site never ran yet (eager only); whether it now has it."""
         if layout == self.layout:
             return True
-        if compiling() or self.last_rows or self.operand.shape[0] == self.operand.shape[1]:
+        if compiling() or self.last_rows:
             return False
         logger.info("dispatch: site %s is multiplied as %s, not %s: reoriented", self.path, layout, self.layout)
         self.layout = layout
@@ -253,24 +253,18 @@ def _addmm(mode: "SiteMode", input, mat1, mat2, *, beta=1, alpha=1):
     return y if y is NotImplemented else alpha * y + beta * input
 
 
-_EINSUM = re.compile(r"^\s*([a-zA-Z.]+)\s*,\s*([a-zA-Z]{2})\s*->\s*([a-zA-Z.]+)\s*$")
-
-
 def _einsum(mode: "SiteMode", equation, *operands):
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     if len(operands) != 2 or not isinstance(equation, str):
         return NotImplemented
     site = mode.site_of(operands[1])
-    match = _EINSUM.match(equation)
-    if site is None or match is None or _traced_plain(site):
+    if site is None or _traced_plain(site):
         return NotImplemented
-    lhs, pw, out = match.groups()
-    # x's subscripts "<lead>k", the weight's "kn" (matmul) or "nk" (linear), the output "<lead>n".
-    if len(set(pw)) != 2 or lhs[-1] not in pw or out[:-1] != lhs[:-1] or out[-1] not in pw or out[-1] == lhs[-1]:
+    layout = einsum_layout(equation)
+    if layout is None:
         _note(site, f"einsum {equation!r}", "not a projection of the last dim")
         return NotImplemented
-    layout = MATMUL if pw[0] == lhs[-1] else LINEAR
     if not _oriented(site, layout, f"einsum {equation!r}"):
         return NotImplemented
     return _call_site(site, operands[0], None)
@@ -377,6 +371,13 @@ def _traced_plain(*sites: Optional[GemmSite]) -> bool:
 class SiteMode(TorchFunctionMode):
     """Routes GEMMs on the scope's Parameters to their sites (active only inside the scope's forward).
 
+    Everything else the scope's code calls runs as called. ``x.unflatten(...)`` reaches the mode as
+    the plain function ``Tensor.unflatten``, which ends in ``super().unflatten(...)``: Dynamo refuses
+    that ``super()`` when the function is called as ``Tensor.unflatten(x, ...)`` (torch 2.11 and
+    2.13), so the mode calls it as a method of its tensor again, which Dynamo traces; a user's
+    ``x.unflatten(...)`` inside a scope compiles. (It is the one ``torch.Tensor`` method written in
+    Python that ends in ``super()`` outside the named-tensor API.)
+
     Args:
         sites: the scope's sites (``ParameterSite`` modules, and ``LokaLinear`` layers whose weight
             the scope passes to a function instead of calling them).
@@ -402,6 +403,8 @@ class SiteMode(TorchFunctionMode):
                 return out
         elif self.sites and not compiling():
             self._note_other_use(func, args)
+        if func is torch.Tensor.unflatten and args and isinstance(args[0], torch.Tensor):
+            return args[0].unflatten(*args[1:], **kwargs)  # an identity test: a dict keyed by it missed it under Dynamo
         return func(*args, **kwargs)
 
     def _note_other_use(self, func, args) -> None:
@@ -459,83 +462,3 @@ def is_scoped(module: nn.Module) -> bool:
 def scoped_sites(module: nn.Module) -> Tuple[GemmSite, ...]:
     """The sites of a scoped module's mode (empty if not scoped)."""
     return module.__dict__["forward"].args[1].sites if is_scoped(module) else ()
-
-
-# ------------------------------------------------------------------------------------- layout
-def _enclosing_call(source: str, pos: int) -> Tuple[Optional[str], int, str]:
-    """The call whose argument list holds ``source[pos]``: (function name or ``None``, argument
-    index, the text of its first argument)."""
-    depth, commas, i = 0, 0, pos - 1
-    while i >= 0 and pos - i < 600:
-        ch = source[i]
-        if ch in ")]}":
-            depth += 1
-        elif ch in "([{":
-            if depth == 0:
-                if ch != "(":
-                    return None, 0, ""
-                name = re.search(r"([\w.]+)\s*$", source[:i])
-                first = source[i + 1:pos].split(",")[0]
-                return (name.group(1) if name else None), commas, first
-            depth -= 1
-        elif ch == "," and depth == 0:
-            commas += 1
-        elif ch == "\n" and depth == 0 and source[i - 1:i] != "\\":
-            pass  # a call's arguments may span lines
-        i -= 1
-    return None, 0, ""
-
-
-def guess_layout(owner_cls: type, attr: str) -> Optional[str]:
-    """How ``owner_cls``'s source multiplies by ``self.<attr>``: ``"linear"``, ``"matmul"``, or
-    ``None`` (no GEMM on it found in the source, or the source is not available).
-
-    Example::
-
-        >>> from torchrec.modules.crossnet import LowRankCrossNet  # F.linear(x_l, self.V_kernels[layer])
-        >>> guess_layout(LowRankCrossNet, "V_kernels"), guess_layout(LowRankCrossNet, "bias")
-        ('linear', None)
-    """
-    try:
-        source = inspect.getsource(owner_cls)
-    except (OSError, TypeError):
-        return None
-    votes = {LINEAR: 0, MATMUL: 0}
-    for match in re.finditer(rf"self\.{re.escape(attr)}\b(\s*\[[^\]]*\])?", source):
-        before = source[max(0, match.start() - 200):match.start()]
-        after = source[match.end():match.end() + 8]
-        if re.search(r"@\s*$", before):
-            votes[MATMUL] += 1
-            continue
-        if re.match(r"\s*@", after):
-            votes[LINEAR] += 1
-            continue
-        name, index, first = _enclosing_call(source, match.start())
-        if name is None:
-            continue
-        keyword = re.search(r"(\w+)\s*=\s*$", before)
-        short = name.rsplit(".", 1)[-1]
-        if short == "linear" and (index == 1 or (keyword and keyword.group(1) == "weight")):
-            votes[LINEAR] += 1
-        elif short in ("matmul", "mm") and index == 1:
-            votes[MATMUL] += 1
-        elif short in ("matmul", "mm") and index == 0 and "." not in name:
-            votes[LINEAR] += 1  # torch.mm(P, x): P (out, in) on the left
-        elif short == "addmm" and index == 2:
-            votes[MATMUL] += 1
-        elif short == "einsum":
-            equation = _EINSUM.match(first.strip().strip("'\""))
-            if equation:
-                votes[MATMUL if equation.group(2)[0] == equation.group(1)[-1] else LINEAR] += 1
-    if not any(votes.values()):
-        return None
-    return MATMUL if votes[MATMUL] > votes[LINEAR] else LINEAR
-
-
-def macs_per_row(site: GemmSite) -> int:
-    """Multiply-adds of the site's forward GEMM per input row."""
-    return int(site.in_features) * int(site.out_features)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return int(math.prod(shape))

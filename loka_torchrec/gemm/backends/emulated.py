@@ -36,4 +36,7 @@ class EmulatedBackend(GemmBackend):
         )
 
     def mm(self, a: Fp8Tensor, b: Fp8Tensor, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
-        return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+        out = a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()
+        # A same-dtype .to() is the tensor itself: returned from an autograd.Function's forward,
+        # torch 2.11's Dynamo then gives the Function's inputs zero gradients.
+        return out if out.dtype == out_dtype else out.to(out_dtype)

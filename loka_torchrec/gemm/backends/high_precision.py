@@ -36,7 +36,8 @@ class HighPrecisionBackend(GemmBackend):
             # to an fp32 master weight, and on the CPU the GEMM then runs in the activation's dtype.
             b = b.to(a.dtype)
         out = a @ b.t()
-        return out if out_dtype is None else out.to(out_dtype)
+        # Not a same-dtype .to(): see EmulatedBackend.mm (zero gradients under torch 2.11's Dynamo).
+        return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
 
     def gemm(self, a, b, recipe=None, out_dtype=None):
         return self.mm(self.quantize(a), self.quantize(b), recipe, out_dtype)
