@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 31 s
     "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",  # 23 s
     "tests/test_faults.py",  # 23 s, 10 runs of the entry point, all on one worker
+    "tests/test_production_faults.py",  # 11 runs of the entry point (2 ranks), all on one worker
     "tests/test_train_job.py",  # 66 s, the other runs of the entry point
     "tests/test_dmp_collection.py",  # 20 s, 4 runs of the entry point
     "tests/test_torchrec_example.py",  # 20 s
@@ -49,6 +50,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_comms_distributed.py",  # ranks: the 2-rank DMP job
     "tests/test_comms_kernel.py",  # interpreted: the Triton interpreter's subprocess
     "tests/test_faults.py",  # uninterrupted: the reference run
+    "tests/test_production_faults.py",  # checkpointed: the run the resumes start from
 )
 
 
