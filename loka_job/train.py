@@ -382,9 +382,9 @@ def _report(exc: Exception, *, traceback_too: bool) -> int:
 
 def _hydra_message(exc: Exception) -> str:
     """One line from a Hydra error: its first line, the override it could not parse, the options
-    of a config group that has no such option, and the OmegaConf error beneath it."""
+    of a config group that has no such option, the OmegaConf error beneath it and Hydra's advice."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    message = lines[0] if lines else type(exc).__name__
+    message = lines[0].rstrip(".") if lines else type(exc).__name__
     override = getattr(exc, "override", None)
     if override:
         message = f"cannot parse the override {override!r}: {message}"
@@ -393,7 +393,10 @@ def _hydra_message(exc: Exception) -> str:
         message += f"; the options are {', '.join(options)}"
     cause = exc.__cause__
     if cause is not None and str(cause).strip():
-        message += f"; {str(cause).strip().splitlines()[0]}"
+        message += f": {str(cause).strip().splitlines()[0]}"
+    advice = next((line for line in lines[1:] if line.startswith("To append")), None)
+    if advice:
+        message += f"; {advice[0].lower()}{advice[1:]}"
     return message
 
 
