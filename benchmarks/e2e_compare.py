@@ -451,12 +451,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-_ERROR_LINE = re.compile(r"^\s*([A-Za-z_.]*(Error|Exception)|torch\.distributed\.\S+Error)\b.*")
+# The job's one-line errors ("error: <what> (<field>)") and the last line of a traceback.
+_ERROR_LINE = re.compile(r"^\s*(error: |([A-Za-z_.]*(Error|Exception)|torch\.distributed\.\S+Error)\b).*")
 
 
 def error_reason(log: str) -> Optional[str]:
-    """The most telling line of a failed run's log: the last ``SomethingError: ...`` line that is
-    not torchrun's own ``ChildFailedError`` report."""
+    """The most telling line of a failed run's log: the last ``error: ...`` line of the job or
+    ``SomethingError: ...`` line that is not torchrun's own ``ChildFailedError`` report."""
     lines = [ln.strip() for ln in log.splitlines() if _ERROR_LINE.match(ln) and "ChildFailedError" not in ln]
     return lines[-1][:500] if lines else None
 

@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "tests/test_e2e_compare.py::test_cpu_smoke_run_writes_json_md_and_plot",  # 31 s
     "tests/test_multirank.py::test_the_forced_race_aborts_a_rank_that_returns_and_not_one_that_ends_with_exit_process",  # 23 s
     "tests/test_faults.py",  # 23 s, 10 runs of the entry point, all on one worker
+    "tests/test_production_faults.py",  # 11 runs of the entry point (2 ranks), all on one worker
     "tests/test_train_job.py",  # 66 s, the other runs of the entry point
     "tests/test_dmp_collection.py",  # 20 s, 4 runs of the entry point
     "tests/test_wheel.py",  # 30 s: builds, installs and runs the wheel
@@ -52,6 +53,7 @@ SHARED_FIXTURE_MODULES = (
     "tests/test_faults.py",  # uninterrupted: the reference run
     "tests/test_wheel.py",  # wheel: the built wheel
     "tests/test_probe_inspect.py",  # run_dir, loka_run: a Probe run and a whole LoKA run
+    "tests/test_production_faults.py",  # checkpointed: the run the resumes start from
 )
 
 

@@ -12,7 +12,10 @@ Kinds:
     batch_inf   one ``inf`` in the dense features of batch ``<batch>``;
     batch_nan   every dense feature of batch ``<batch>`` NaN;
     weight_nan  one element of the first dense layer's weight set to NaN when batch ``<batch>`` is fetched;
-    grad_nan    the first dense layer's weight gradient NaN once, from batch ``<batch>`` on.
+    grad_nan    the first dense layer's weight gradient NaN once, from batch ``<batch>`` on;
+    id_past_end the first id of batch ``<batch>``'s first feature set to its table's row count;
+    id_negative the same id set to -1;
+    raise       a RuntimeError (an unexpected error) when batch ``<batch>`` is fetched.
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ def install() -> None:
 def _inject(kind, batch, trainer):
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "raise":
+        raise RuntimeError("injected fault")
+    if kind in ("id_past_end", "id_negative"):
+        return _bad_id(batch, trainer, past_end=kind == "id_past_end")
     if kind in ("batch_inf", "batch_nan"):
         dense = batch.dense_features.clone()
         if kind == "batch_inf":
@@ -130,6 +137,25 @@ def _inject(kind, batch, trainer):
     else:
         raise ValueError(f"LOKA_FAULT: unknown kind {kind!r}")
     return batch
+
+
+def _bad_id(batch, trainer, *, past_end: bool):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    features = batch.sparse_features
+    offsets = features.offset_per_key()
+    index = next(i for i in range(len(features.keys())) if offsets[i + 1] > offsets[i])
+    key = features.keys()[index]
+    values = features.values().clone()
+    values[offsets[index]] = _rows(trainer.model, key) if past_end else -1
+    bad = KeyedJaggedTensor(keys=features.keys(), values=values, lengths=features.lengths(), weights=features.weights_or_none())
+    return dataclasses.replace(batch, sparse_features=bad)
+
+
+def _rows(model, feature: str) -> int:
+    """The rows of the table that ``feature`` looks up, from the sharded model's TorchRec configs."""
+    configs = [c for m in model.modules() for c in getattr(m, "_embedding_bag_configs", None) or ()]
+    return next(c.num_embeddings for c in configs if feature in c.feature_names)
 
 
 if __name__ == "__main__":

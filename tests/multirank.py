@@ -16,7 +16,8 @@ server started with (the first job's of the pytest process).
 
 :func:`run_job` runs a job's command line (``python -m loka_job.train ...``, or a script) in
 processes forked from the same server, one per rank, with the environment torchrun gives each rank
-(or none, for a plain process), and returns what ``subprocess.run`` would. A test about the job
+(or none, for a plain process), and returns what ``subprocess.run`` would; :func:`start_job`
+starts it and returns a :class:`Job`, whose ranks a test can signal while it runs. A test about the job
 (what it trains, writes, resumes and survives) saves the 3 s of imports per rank, and torchrun's
 own start (1.5 s); tests about the command line itself (argument errors, exit codes, the torchrun
 launch) keep running the real command.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch.multiprocessing as mp
 
@@ -70,6 +72,11 @@ def run_job(
     torchrun's rank variables), ``cwd``, and its own ``sys.argv``; then the module or script runs
     as ``__main__``. As with torchrun, a failing rank ends the others.
     """
+    return start_job(command, env=env, cwd=cwd, nproc=nproc).wait(timeout)
+
+
+def start_job(command: Sequence[str], *, env: Mapping[str, str], cwd, nproc: Optional[int] = None) -> "Job":
+    """Start :func:`run_job`'s job and return it running (see :class:`Job`)."""
     ranks = nproc or 1
     envs = [dict(env) for _ in range(ranks)]
     if nproc:
@@ -77,26 +84,69 @@ def run_job(
         for rank, rank_env in enumerate(envs):
             rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _job_rank, args=(list(command), envs, str(cwd), out_dir), nprocs=ranks, join=False, start_method="forkserver"
-        )
+    out_dir = tempfile.mkdtemp(prefix="job-output-")
+    context = mp.start_processes(
+        _job_rank, args=(list(command), envs, str(cwd), out_dir), nprocs=ranks, join=False, start_method="forkserver"
+    )
+    return Job(list(command), context, out_dir)
+
+
+class Job:
+    """A job started by :func:`start_job`: its rank processes (to signal), its output so far, and
+    :meth:`wait` for its end. As a context manager, it kills the ranks still running at the end of
+    the block (a test that failed half-way leaves no job behind)."""
+
+    def __init__(self, command: List[str], context, out_dir: str) -> None:
+        self.command, self._context, self._out_dir = command, context, out_dir
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()  # SIGKILL: also ends a rank stopped with SIGSTOP
+            process.join()
+        shutil.rmtree(self._out_dir, ignore_errors=True)
+
+    @property
+    def processes(self) -> List[multiprocessing.Process]:
+        """The ranks' processes, rank 0 first (``.pid``, ``.exitcode``, ``.is_alive()``)."""
+        return list(self._context.processes)
+
+    def output(self, stream: str = "err") -> str:
+        """Every rank's ``"out"`` or ``"err"`` so far, rank 0's first."""
+        return "".join(Path(self._out_dir, f"rank{r}.{stream}").read_text() for r in range(len(self.processes)))
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 240) -> None:
+        """Poll ``condition`` until it holds; fail the test, with the job's output, if the job ends
+        first or ``timeout`` seconds pass (generous: the machine may be loaded)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if not any(p.is_alive() for p in self.processes) and not condition():
+                raise AssertionError(f"the job ended before {what}:\n{self.output('out')[-3000:]}{self.output()[-5000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout} s:\n{self.output('out')[-3000:]}{self.output()[-5000:]}")
+            time.sleep(0.2)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Wait for every rank to end (as torchrun does, a failing rank ends the others) and return
+        what ``subprocess.run`` would: every rank's output and the first failing rank's exit code."""
         deadline = time.monotonic() + timeout
         try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    for process in context.processes:
-                        process.kill()
-                        process.join()
-                    raise subprocess.TimeoutExpired(command, timeout)
-        except mp.ProcessExitedException:
-            pass  # a rank failed, and join() ended the others
-        code = next((p.exitcode for p in context.processes if p.exitcode), 0)
-
-        def output(stream):
-            return "".join(Path(out_dir, f"rank{r}.{stream}").read_text() for r in range(ranks))
-
-        return subprocess.CompletedProcess(command, code, output("out"), output("err"))
+            try:
+                while not self._context.join(timeout=max(0.0, deadline - time.monotonic())):
+                    if time.monotonic() >= deadline:
+                        for process in self.processes:
+                            process.kill()
+                            process.join()
+                        raise subprocess.TimeoutExpired(self.command, timeout)
+            except mp.ProcessExitedException:
+                pass  # a rank failed, and join() ended the others
+            code = next((p.exitcode for p in self.processes if p.exitcode), 0)
+            return subprocess.CompletedProcess(self.command, code, self.output("out"), self.output("err"))
+        finally:
+            shutil.rmtree(self._out_dir, ignore_errors=True)
 
 
 def _job_rank(rank: int, command: list, envs: list, cwd: str, out_dir: str) -> None:

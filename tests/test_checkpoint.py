@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loka_job.training.checkpoint import CheckpointError, checkpoint_problem, resume_checkpoint, save_checkpoint
+from loka_job.training.checkpoint import (
+    CheckpointError, CheckpointMismatch, checkpoint_problem, config_mismatch, resume_checkpoint, save_checkpoint, state_mismatch,
+)  # fmt: skip
 from multirank import spawn_ranks
 
 
@@ -92,7 +94,7 @@ def test_nothing_intact_is_one_line_naming_every_checkpoint(tmp_path):
     assert "\n" not in message and "no intact checkpoint" in message and "step_000004" in message and "step_000008" in message
     with pytest.raises(CheckpointError, match="does not exist"):
         resume_checkpoint(str(tmp_path / "nowhere"), rank=0, world_size=1)
-    with pytest.raises(CheckpointError, match="written by 1 ranks; this job has 2"):
+    with pytest.raises(CheckpointMismatch, match="step_000008 was written with world_size=1; this run has world_size=2"):
         resume_checkpoint(str(run / "checkpoints" / "step_000008"), rank=0, world_size=2)
 
 

@@ -86,6 +86,8 @@ def test_error_reason_picks_the_job_error_not_torchrun_report():
     )
     assert e2e.error_reason(log).startswith("ImportError: baseline.kind=torchao needs torchao")
     assert e2e.error_reason("nothing useful") is None
+    log = "error: '/x' does not exist (train.resume)\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert e2e.error_reason(log) == "error: '/x' does not exist (train.resume)"  # the job's one-line error
 
 
 def test_aggregate_pairs_ne_by_seed():

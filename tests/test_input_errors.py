@@ -32,6 +32,9 @@ def test_loka_config_refuses_a_plain_dict_for_a_section():
         (dict(progress_bar="no"), r"train.progress_bar: expected true or false"),
         (dict(fused_optimizer="yes"), r"train.fused_optimizer: expected true or false, got 'yes'"),
         (dict(steps=10, timing_start=10), r"train.timing_start"),
+        (dict(peer_timeout_s=-1), r"train.peer_timeout_s: expected a number of seconds >= 0 \(0: no watchdog\), got -1"),
+        (dict(peer_timeout_s="5s"), r"train.peer_timeout_s: expected a number of seconds >= 0"),
+        (dict(require_verified_checkpoints="yes"), r"train.require_verified_checkpoints: expected true or false, got 'yes'"),
     ],
 )
 def test_train_config_errors_name_the_field_the_user_typed(kwargs, message):

@@ -209,21 +209,33 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "override, message, field",
     [
-        ("model=nosuchmodel", "model"),
-        ("loka.dispatch.mode=all:nosuchbackend:rowwise", "nosuchbackend"),
-        ("train.resume=/nonexistent/run", "train.resume"),
-        ("loka.dispatch.max_mere=-1", "dispatch.max_mere"),
-        ("loka.dispatch.bogus=1", "bogus"),
+        ("model=nosuchmodel", "Could not find 'model/nosuchmodel'; the options are dcn, ", "model"),
+        ("train.steps=[", "cannot parse the override 'train.steps=['", "train.steps"),
+        ("loka.dispatch.mode=all:nosuchbackend:rowwise", "unknown GEMM backend 'nosuchbackend'", "backend"),
+        ("train.resume=/nonexistent/run", "'/nonexistent/run' does not exist", "train.resume"),
+        ("loka.dispatch.max_mere=-1", "must be > 0, got -1", "dispatch.max_mere"),
+        ("loka.dispatch.bogus=1", "Could not override 'loka.dispatch.bogus'", "loka.dispatch.bogus"),
     ],
 )
-def test_bad_input_is_one_clear_error(tmp_path, override, message):
+def test_bad_input_is_one_clear_error(tmp_path, override, message, field):
+    """Hydra's errors (a missing config, an override it cannot parse or place) and the job's own
+    configuration errors: one line ``error: <what> (<field>)`` and exit status 1, no traceback."""
     env = dict(os.environ, LOKA_RUN_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("HYDRA_FULL_ERROR", None)
     cmd = [sys.executable, "-m", "loka_job.train", *SMALL, "train.steps=2", override]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert message in proc.stderr and proc.stderr.rstrip().endswith(f"({field})"), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_config_error_on_two_ranks_is_one_line_from_rank_0(tmp_path):
+    proc = launch(tmp_path / "run", "train.resume=/nonexistent/run", "train.steps=2", expect_ok=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: '/nonexistent/run' does not exist (train.resume)", proc.stderr[-3000:]
 
 
 def test_deterministic_runs_repeat_exactly_and_say_so(tmp_path):

@@ -13,19 +13,24 @@ lower learning rate).
 
 Only the loss is checked: a finite loss with a non-finite gradient is applied, and shows as a
 non-finite loss from the next step on.
+
+The same all-reduce carries a second flag, a stop request (a SIGTERM, :mod:`~loka_job.training.preemption`),
+so that the ranks also agree, at no extra collective, on the step after which they stop.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from loka_job.training.errors import JobError
+
 __all__ = ["NonFiniteLossError", "NonFiniteSteps"]
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(JobError, RuntimeError):
     """Too many consecutive training steps had a non-finite loss; the message says where to go on from."""
 
 
@@ -48,23 +53,38 @@ class NonFiniteSteps:
         self.limit = limit
         self.skipped: List[int] = []  # every skipped step of the run, resumed ones included
         self.consecutive = 0
+        self.stop_agreed = False  # some rank asked to stop in a step so far (see install's stop_requested)
         self._skip_current = False
 
     def nonfinite(self, losses: torch.Tensor) -> bool:
         """Whether any rank's ``losses`` hold inf or NaN (a collective: every rank calls it)."""
-        flag = (~torch.isfinite(losses.detach())).any().to(torch.float32).reshape(1)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.exchange(losses, stop_requested=False)[0]
 
-    def install(self, pipeline) -> None:
+    def exchange(self, losses: torch.Tensor, *, stop_requested: bool) -> Tuple[bool, bool]:
+        """``(any rank's losses hold inf or NaN, any rank asked to stop)``: one all-reduce of two
+        flags (a collective: every rank calls it)."""
+        nonfinite = (~torch.isfinite(losses.detach())).any().to(torch.float32).reshape(1)
+        flags = torch.cat([nonfinite, torch.full_like(nonfinite, float(stop_requested))])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite_any, stop_any = flags.tolist()
+        return bool(nonfinite_any), bool(stop_any)
+
+    def install(self, pipeline, *, stop_requested: Optional[Callable[[], bool]] = None) -> None:
         """Wrap ``pipeline``'s backward and optimizer step (``TrainPipelineSparseDist``'s
-        ``_backward`` and ``_optimizer_step``) so that a non-finite loss skips both."""
+        ``_backward`` and ``_optimizer_step``) so that a non-finite loss skips both.
+
+        ``stop_requested``: whether this rank was asked to stop (e.g. ``StopSignal.requested``);
+        its value goes into the same all-reduce, and :attr:`stop_agreed` turns true on every rank
+        in the step where any rank asked.
+        """
         backward = pipeline._backward
         optimizer_step = getattr(pipeline, "_optimizer_step", None)
 
         def guarded_backward(losses: torch.Tensor) -> None:
-            self._skip_current = self.nonfinite(losses)
+            asked = stop_requested is not None and stop_requested()
+            self._skip_current, stop = self.exchange(losses, stop_requested=asked)
+            self.stop_agreed = self.stop_agreed or stop
             if not self._skip_current:
                 backward(losses)
 
@@ -99,7 +119,8 @@ class NonFiniteSteps:
         resume = f"last good checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written before it"
         return NonFiniteLossError(
             f"train: the loss was not finite for {self.consecutive} consecutive steps ({first} to {step}; "
-            f"train.max_nonfinite_steps={self.limit}); first layer the safety valve saw: {valve}; {resume}"
+            f"train.max_nonfinite_steps={self.limit}); first layer the safety valve saw: {valve}; {resume}",
+            field="train.max_nonfinite_steps",
         )
 
     def state_dict(self) -> Dict[str, Any]:

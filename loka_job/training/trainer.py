@@ -26,12 +26,15 @@ from loka_torchrec.compile import (
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.config import LokaConfig
-from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint
+from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint, verify_checkpoint
 from loka_job.training.dense_optimizer import dense_adagrad, dense_optimizer_kind
 from loka_job.training.distributed import DistContext
+from loka_job.training.feature_ids import FeatureIdCheck
 from loka_job.training.host_window import TimedBatches, host_counters, per_step
 from loka_job.training.memory_trend import MemoryTrend
 from loka_job.training.nonfinite import NonFiniteSteps
+from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
+from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job", "check_baseline_vs_loka", "step_time_stats"]
@@ -166,6 +169,14 @@ class TrainConfig:
             this many consecutive ones stop the run with
             :class:`~loka_job.training.nonfinite.NonFiniteLossError` (a non-zero exit naming
             the step, the safety valve's first layer and the last good checkpoint).
+        peer_timeout_s: the peer watchdog's bound in seconds
+            (:mod:`~loka_job.training.peer_watchdog`): a rank that has waited this long for its
+            peers names those that did not arrive (stopped, hung or gone) and ends the job with one
+            line. Below the process group's 600 s, which would end it without naming anyone; above
+            the longest gap between two steps that is not the same on every rank. 0: no watchdog.
+        require_verified_checkpoints: refuse to resume from a checkpoint file whose size and
+            SHA-256 ``meta.json`` does not record (format 1); ``False``: load it with a warning
+            naming it, after the checks that need no record (zip CRC-32s, keys, shapes, dtypes).
     """
 
     steps: int = 200
@@ -190,6 +201,8 @@ class TrainConfig:
     step_sync: bool = False
     max_nonfinite_steps: int = 10
     compile: str = "auto"
+    peer_timeout_s: float = 300.0
+    require_verified_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         from loka_torchrec.compile import COMPILE_MODES
@@ -211,13 +224,17 @@ class TrainConfig:
         for name in ("steps", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace", "fused_optimizer"):
+        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace", "fused_optimizer",
+                     "require_verified_checkpoints"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.data_workers is not None and (type(self.data_workers) is not int or self.data_workers < 0):
             raise ValueError(
                 f"train.data_workers: expected null (the default: 0 on a CPU, 2 to 8 on CUDA) or an int >= 0, got {self.data_workers!r}"
             )
+        timeout = self.peer_timeout_s
+        if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"train.peer_timeout_s: expected a number of seconds >= 0 (0: no watchdog), got {timeout!r}")
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
         for name, allow_null in (("sharding_group_size", True), ("sync_every", False)):
@@ -302,6 +319,12 @@ class Trainer:
         train_split: the train split with random access by batch index, for ``train.data_workers``
             (:class:`~loka_job.training.prefetch.RandomAccessSplit`); ``None``: batches come
             from ``train_data``, made in the loop.
+        checkpoint_config: what the state depends on beyond the model's own shapes (model name
+            and options, tables, LoKA's mods), JSON: recorded in each checkpoint's ``meta.json``
+            and checked against the checkpoint on resume.
+        stop_signal: SIGTERM's handler (:mod:`~loka_job.training.preemption`): a signal on any
+            rank stops every rank after the same step, with a final checkpoint and a summary.
+        watchdog: told each step this rank finishes (:mod:`~loka_job.training.peer_watchdog`).
     """
 
     def __init__(
@@ -318,6 +341,9 @@ class Trainer:
         baseline_config: Optional[BaselineConfig] = None,
         teacher_ne: Optional[float] = None,
         train_split=None,
+        checkpoint_config: Optional[Dict[str, Any]] = None,
+        stop_signal: Optional[StopSignal] = None,
+        watchdog: Optional[PeerWatchdog] = None,
     ) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -330,6 +356,7 @@ class Trainer:
         self.batch_size = batch_size
         self.teacher_ne = teacher_ne
         self.train_data, self.eval_data, self.train_split = train_data, eval_data, train_split
+        self.checkpoint_config, self.stop_signal, self.watchdog = checkpoint_config, stop_signal, watchdog
         self.rank_dir = os.path.join(run_dir, f"rank{ctx.rank}")
         os.makedirs(self.rank_dir, exist_ok=True)
         baseline_config = baseline_config or BaselineConfig()
@@ -362,6 +389,8 @@ class Trainer:
             # Transformer Engine's modules do not trace whole: let Dynamo break the graph around them.
             fullgraph = baseline_config.kind != "te"
             self.compiled_modules = compile_dense(model, self.compile_mode, fullgraph=fullgraph)
+        # 1d. The tables' sizes, for the check of every batch's ids before the lookup.
+        self.feature_ids = FeatureIdCheck.of_model(model)
         # 2. Sharders: LoKA's, with its embedding comm codecs; TorchRec's own without LoKA.
         sharders = default_sharders() if self.loka is None else self.loka.sharders()
         # 3. Shard with TorchRec's planner and DMP (DMPCollection with train.sharding_group_size);
@@ -461,7 +490,10 @@ class Trainer:
         if cuda:
             torch.cuda.synchronize(self.ctx.device)
         profiler = self._step_profiler()
-        self.nonfinite.install(self.pipeline)
+        # One all-reduce per step decides, on every rank alike, whether to skip it (non-finite loss)
+        # and whether to stop after it (a SIGTERM on any rank).
+        stop_requested = None if self.stop_signal is None else lambda: self.stop_signal.requested
+        self.nonfinite.install(self.pipeline, stop_requested=stop_requested)
         wall0 = time.perf_counter()
         last_end = wall0  # without train.step_sync a step's time runs from the previous step's end
         # The timed window: steps after first_timed (train.timing_start, or past a few warm-up steps).
@@ -524,12 +556,21 @@ class Trainer:
                 last_end, clock_restarted = self._restart_step_clock(), True
             if bar is not None:
                 bar.update(1)
+            if self.watchdog is not None:
+                self.watchdog.reached(step)
+            if self.nonfinite.stop_agreed:
+                break  # every rank agreed in this step's all-reduce: all stop after it
         train_seconds = time.perf_counter() - wall0
         profile = profiler.finish() if profiler is not None else None  # stops a window the data cut short
         if bar is not None:
             bar.close()
-        final_eval = self.evaluate()
-        self._log({"step": step, **{f"eval/{k}": v for k, v in final_eval.items()}})
+        if self.watchdog is not None:
+            self.watchdog.reached(END_OF_RUN)
+        # Preempted before the last step: a final checkpoint, no final evaluation (the time left is short).
+        preempted = self._stop_for_preemption(step) if self.nonfinite.stop_agreed and step < cfg.steps else None
+        final_eval = {} if preempted else self.evaluate()
+        if final_eval:
+            self._log({"step": step, **{f"eval/{k}": v for k, v in final_eval.items()}})
         if self.probe is not None:
             self.probe.close()
         steps_run = step - self.start_step
@@ -576,10 +617,37 @@ class Trainer:
             "baseline": None if self.baseline is None else self.baseline.summary(),
             "profile": None if profile is None else profile_summary(profile),
             "probe_cost": self._probe_cost(timed_steps, step_times),
+            "preempted": preempted,
         }
         if self.ctx.is_main:
             write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary, default=str)
+        if preempted:  # the one line, after the summary is on disk
+            logger.warning("train: %s", preempted["line"])
         return summary
+
+    def _stop_for_preemption(self, step: int) -> Dict[str, Any]:
+        """After the step every rank agreed to stop at: write and verify the final checkpoint
+        (where ``train.checkpoint_every`` is set and the run is not in a streak of non-finite
+        steps), and return the summary's ``preempted`` record with its one line."""
+        signal_name = self.stop_signal.received if self.stop_signal is not None else None
+        signal_name = signal_name or "SIGTERM on another rank"
+        folder, problems = None, []
+        if not self.cfg.checkpoint_every:
+            where = "no checkpoint written (train.checkpoint_every=0): this run cannot be resumed from here"
+        elif self.nonfinite.consecutive:
+            folder = self.last_checkpoint
+            where = f"no checkpoint written during non-finite steps; the last good one is {folder}"
+        else:
+            if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"step_{step:06d}"):
+                self.save(step)
+            folder = self.last_checkpoint
+            problems = verify_checkpoint(folder, rank=self.ctx.rank, world_size=self.ctx.world_size)
+            if problems:
+                where = f"checkpoint {folder} FAILED its verification ({'; '.join(problems)}): resume falls back to an older one"
+            else:
+                where = f"checkpoint {folder} written and verified; resume with train.resume={self.run_dir}"
+        line = f"{signal_name}: stopped after step {step} of {self.cfg.steps}; {where}"
+        return {"signal": signal_name, "step": step, "checkpoint": folder, "checkpoint_problems": problems, "line": line}
 
     def _skipped_nonfinite(self, step: int) -> bool:
         """Whether ``step`` was skipped for a non-finite loss (:mod:`~loka_job.training.nonfinite`);
@@ -613,6 +681,8 @@ class Trainer:
             if workers and self.cfg.data_workers:
                 logger.warning("train.data_workers=%d: this data has no random access; batches are made in the loop", workers)
             batches = iter(self.train_data(self.start_step))
+        # Ids past a table's end or negative: one line naming the feature, before FBGEMM sees them.
+        batches = self.feature_ids.checked(batches, split="train", first_batch=self.start_step, rank=self.ctx.rank)
         if self.cfg.reuse_batches:
             logger.info("train.reuse_batches=%d: these first batches are made now, then cycled", self.cfg.reuse_batches)
             return reused_batches(batches, self.cfg.reuse_batches)
@@ -645,7 +715,7 @@ class Trainer:
             self.model.sync()  # DMPCollection: every replica evaluates the same (averaged) tables
         self.model.eval()
         self.eval_metrics.reset()
-        for batch in self.eval_data(0):
+        for batch in self.feature_ids.checked(self.eval_data(0), split="eval", first_batch=0, rank=self.ctx.rank):
             batch = batch.to(self.ctx.device)
             _, (_, logits, labels) = self.model(batch)
             self.eval_metrics.update(logits, labels)
@@ -680,7 +750,9 @@ class Trainer:
         return state
 
     def save(self, step: int) -> str:
-        folder = save_checkpoint(self.run_dir, step, self.state(step), rank=self.ctx.rank, world_size=self.ctx.world_size)
+        folder = save_checkpoint(
+            self.run_dir, step, self.state(step), rank=self.ctx.rank, world_size=self.ctx.world_size, config=self.checkpoint_config
+        )
         self.last_checkpoint = folder
         if self.ctx.is_main:
             logger.info("checkpoint written: %s", folder)
@@ -688,10 +760,13 @@ class Trainer:
 
     def _resume(self, path: str) -> None:
         """Load the newest checkpoint every rank reads intact (all ranks agree first; a damaged or
-        incomplete newer one is a warning naming it) and restore every decision it holds."""
+        incomplete newer one is a warning naming it) and restore every decision it holds. A
+        checkpoint of another model, other tables or another world size is refused first."""
         folder, state, skipped = resume_checkpoint(
-            path, rank=self.ctx.rank, world_size=self.ctx.world_size, map_location=str(self.ctx.device)
-        )
+            path, rank=self.ctx.rank, world_size=self.ctx.world_size, map_location=str(self.ctx.device),
+            config=self.checkpoint_config, model_state=self.model.state_dict(),
+            require_verified=self.cfg.require_verified_checkpoints,
+        )  # fmt: skip
         if self.ctx.is_main:
             for line in skipped:
                 logger.warning("train.resume: %s; falling back to an older checkpoint", line)
