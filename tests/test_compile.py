@@ -12,7 +12,9 @@ from torch._inductor.utils import run_and_get_code
 
 import outside_models
 import test_models_dhen
+import test_models_dcn_v2
 import test_models_hstu
+import test_models_interformer
 
 import loka_torchrec
 from loka_torchrec.compile import compile_dense, cuda_graph_stats, eager, end_compiled_step, resolve_compile_mode
@@ -291,8 +293,8 @@ def _inductor_code(fn) -> list:
 
 
 def _small_recsys(kind: str):
-    """A CPU-sized model of the zoo with a batch for it: the project's DHEN, HSTU and Wukong (the model
-    tests' helpers), and a Wukong written as outside users write it (``outside_models``)."""
+    """A CPU-sized model of the zoo with a batch for it: the project's DHEN, HSTU, Wukong, Interformer
+    and DCN-V2 (the model tests' helpers), and a Wukong written as outside users write it (``outside_models``)."""
     if kind == "dhen":
         return test_models_dhen._model(), test_models_dhen._batch(test_models_dhen._spec(), batch=32)
     if kind == "wukong":
@@ -302,6 +304,15 @@ def _small_recsys(kind: str):
         torch.manual_seed(0)
         return build_wukong(WukongConfig.small(), spec, torch.device("cpu"), embedding_device=torch.device("cpu")), (
             test_models_dhen._batch(spec, batch=32))  # fmt: skip
+    if kind == "interformer":
+        spec = test_models_interformer._spec()
+        return test_models_interformer._model(spec=spec), test_models_interformer._batch(spec, batch=32)
+    if kind.startswith("dcnv2"):  # low-rank cross layers: Parameter sites (full-rank CrossNet's are not sites)
+        from loka_job.models.dcn_v2 import DcnV2Config
+
+        spec = test_models_dhen._spec(dim=16)
+        config = DcnV2Config(cross="low_rank", cross_layers=2 if kind == "dcnv2_two_cross_layers" else 1)
+        return test_models_dcn_v2._model(config, spec), test_models_dhen._batch(spec, batch=32)
     if kind == "outside_wukong":
         torch.manual_seed(0)
         model = outside_models.UserWukong()
@@ -310,7 +321,13 @@ def _small_recsys(kind: str):
     return test_models_hstu._model(), (torch.randn(6, 3), kjt)
 
 
-@pytest.mark.parametrize("kind", ["dhen", "hstu", "wukong", "outside_wukong"])
+@pytest.mark.parametrize(
+    "kind",
+    ["dhen", "hstu", "wukong", "interformer", "dcnv2", "outside_wukong",
+     pytest.param("dcnv2_two_cross_layers", marks=pytest.mark.xfail(strict=True, reason=(
+         "the same kernels and calls, but the converted model's graph takes the second cross layer's "
+         "Parameters as inputs in another order (W_kernels.1 before bias.0)")))],
+)  # fmt: skip
 def test_a_plan_without_fp8_compiles_to_the_plain_models_code(kind, tmp_path):
     """Where LoKA's plan keeps every GEMM in bf16, its compiled step is the plain model's: the same
     Inductor kernels and calls, forward and backward, after the Probe's eager steps and the plan."""

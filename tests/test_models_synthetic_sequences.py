@@ -1,5 +1,7 @@
 """Synthetic history data: determinism, rank shards, the held-out split, the learnable teacher."""
 
+from dataclasses import replace as dataclasses_replace
+
 import pytest
 import torch
 
@@ -92,6 +94,8 @@ def test_recency_weights_make_the_last_item_count_most():
         ({"positive_rate": 1.0}, "positive_rate"),
         ({"recency_decay": 0.0}, "recency_decay"),
         ({"batch_size": 0}, "batch_size"),
+        ({"num_context_features": 1, "context_embeddings": 5, "num_clusters": 10}, r"context_embeddings \(5\) must be >= num_clusters"),
+        ({"num_context_features": -1}, "num_context_features"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, message):
@@ -112,3 +116,26 @@ def test_make_data_builds_the_jobs_view_of_sequences_and_names_unknown_options()
     assert len(list(data.eval(0))) == 1 and 0.0 < data.teacher_ne < 1.5
     with pytest.raises(ValueError, match=r"data: unknown option\(s\) \['items'\]"):
         make_data({"kind": "sequence", "items": 100}, rank=0, world_size=1, seed=0)
+
+
+def test_context_features_hint_at_the_interest_and_change_nothing_else():
+    """Pooled context features ``ctx_i`` (one id each, own table) come after the history and the
+    candidate; the dense features, histories, candidates and labels are those of the data
+    without them, and with ``interest_prob=1`` every context id of a user is in one interest block."""
+    plain = dataclasses_replace(CONFIG, interest_prob=1.0)
+    with_context = dataclasses_replace(plain, num_context_features=3, context_embeddings=50)
+    spec = make_sequence_data_spec(with_context)
+    assert spec.feature_names == (HISTORY_FEATURE, CANDIDATE_FEATURE, "ctx_0", "ctx_1", "ctx_2")
+    assert [(t.name, t.num_embeddings, t.sequence) for t in spec.pooled_tables] == [(f"t_ctx_{i}", 50, False) for i in range(3)]
+    batch = SyntheticSequenceDataset(with_context, rank=0, world_size=1).batch(2)
+    reference = SyntheticSequenceDataset(plain, rank=0, world_size=1).batch(2)
+    kjt, ref = batch.sparse_features, reference.sparse_features
+    assert torch.equal(batch.labels, reference.labels) and torch.equal(batch.dense_features, reference.dense_features)
+    for key in (HISTORY_FEATURE, CANDIDATE_FEATURE):
+        assert torch.equal(kjt[key].values(), ref[key].values()) and torch.equal(kjt[key].lengths(), ref[key].lengths())
+    context = torch.stack([kjt[f"ctx_{i}"].values() for i in range(3)])  # (3, B)
+    assert all(torch.all(kjt[f"ctx_{i}"].lengths() == 1) for i in range(3))
+    assert context.min() >= 0 and context.max() < 50
+    residues = context % CONFIG.num_clusters
+    assert torch.all(residues == residues[0])  # one interest per user
+    assert len(residues[0].unique()) > 1  # users differ

@@ -51,17 +51,18 @@ def _model_name(recipe):
 
 def test_every_model_has_a_small_and_a_large_recipe():
     assert set(RECIPES) == {
-        "dlrm", "dcn", "dhen", "hstu", "wukong", "dlrm_large", "dcn_large", "dhen_large", "hstu_large", "wukong_large",
-        "dhen_xl", "hstu_xl", "wukong_xl",
+        "dlrm", "dcn", "dhen", "hstu", "wukong", "interformer", "dcnv2", "dlrm_large", "dcn_large", "dhen_large",
+        "hstu_large", "wukong_large", "interformer_large", "dcnv2_large", "dhen_xl", "hstu_xl", "wukong_xl",
+        "interformer_xl", "dcnv2_xl",
     }  # fmt: skip
-    assert set(MODEL_NAMES()) == {"dlrm", "dcn", "dhen", "hstu", "wukong"}
+    assert set(MODEL_NAMES()) == {"dlrm", "dcn", "dhen", "hstu", "wukong", "interformer", "dcnv2"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_and_builds_its_model(recipe):
     cfg = compose(f"model={recipe}")
     assert cfg["model"]["name"] == _model_name(recipe)
-    assert cfg["data"]["kind"] == ("sequence" if recipe.startswith("hstu") else "pooled")
+    assert cfg["data"]["kind"] == ("sequence" if recipe.startswith(("hstu", "interformer")) else "pooled")
     assert isinstance(cfg["data"]["embedding_dim"], int) and isinstance(cfg["data"]["batch_size"], int)
     model = build(cfg)
     assert isinstance(model, nn.Module)
@@ -78,17 +79,24 @@ def test_the_command_line_wins_over_a_recipe():
     assert build(cfg).config.embedding_dim == 16
 
 
+def _config_class(recipe):
+    from loka_job.models.dcn_v2 import DcnV2Config
+    from loka_job.models.dhen import DhenConfig
+    from loka_job.models.hstu import HstuConfig
+    from loka_job.models.interformer import InterformerConfig
+
+    return {"dhen": DhenConfig, "hstu": HstuConfig, "interformer": InterformerConfig, "dcnv2": DcnV2Config}[_model_name(recipe)]
+
+
 @pytest.mark.parametrize(
     "recipe, preset",
     [("dhen", "small"), ("dhen_large", "large"), ("dhen_xl", "xl"), ("hstu", "small"), ("hstu_large", "large"),
-     ("hstu_xl", "xl")],
+     ("hstu_xl", "xl"), ("interformer", "small"), ("interformer_large", "large"), ("interformer_xl", "xl"),
+     ("dcnv2", "small"), ("dcnv2_large", "large"), ("dcnv2_xl", "xl")],
 )
-def test_dhen_and_hstu_recipes_are_the_config_presets(recipe, preset):
+def test_recipes_are_the_config_presets(recipe, preset):
     """The yaml files spell out every field (so `model.x=...` needs no `+`); they must not drift."""
-    from loka_job.models.dhen import DhenConfig
-    from loka_job.models.hstu import HstuConfig
-
-    cls = DhenConfig if recipe.startswith("dhen") else HstuConfig
+    cls = _config_class(recipe)
     options = dict(compose(f"model={recipe}")["model"])
     options.pop("name")
     assert set(options) == {f.name for f in dataclasses.fields(cls)}
@@ -139,6 +147,35 @@ def test_wukong_recipes_are_the_config_presets_and_xl_has_the_documented_shape()
     assert sum(isinstance(m, nn.Linear) for m in model.modules()) == 6 * 3 + 3 + 2
 
 
+def test_interformer_and_dcnv2_gpu_recipes_have_the_documented_shape():
+    """interformer_large: 32 non-sequence tokens (8192 wide) beside a 16-token sequence summary, the
+    GEMMs its recipe lists, at batch 8192 with histories of up to 64 items (interformer_xl: the same
+    model, histories of up to 256 at batch 2048); dcnv2_xl: an 8192-wide x_0 under three full-rank
+    cross layers and the deep network, at batch 8192."""
+    from torchrec.modules.crossnet import CrossNet, LowRankCrossNet
+
+    cfg = compose("model=interformer_large")
+    model = build(cfg)
+    arch, data = model.over_arch, cfg["data"]
+    assert arch.num_tokens == 32 and model.max_len == data["max_seq_len"] == 64 and data["batch_size"] == 8192
+    shapes = _gemm_shapes(model)
+    for shape in ((8192, 512), (4096, 4096), (13416, 2048), (2048, 8192), (512, 65536), (12288, 2048)):
+        assert shape in shapes, shape
+    cross = arch.layers[0].interaction.cross
+    assert isinstance(cross, LowRankCrossNet) and cross.V_kernels[0].shape == (512, 12288)
+    assert arch.layers[0].sequence.attention.in_proj_weight.shape == (768, 256)
+    xl = compose("model=interformer_xl")
+    assert xl["model"] == cfg["model"] and (xl["data"]["max_seq_len"], xl["data"]["batch_size"]) == (256, 2048)
+
+    cfg = compose("model=dcnv2_xl")
+    model = build(cfg)
+    assert model.over_arch.width == 8192 and cfg["data"]["batch_size"] == 8192
+    assert isinstance(model.over_arch.cross, CrossNet)
+    assert [tuple(k.shape) for k in model.over_arch.cross.kernels] == [(8192, 8192)] * 3
+    assert {(8192, 4096), (4096, 4096), (4096, 1)} <= set(_gemm_shapes(model))
+    assert build(compose("model=dcnv2_large")).over_arch.width == 4096
+
+
 def test_xl_recipes_have_the_documented_shape():
     """dhen_xl: a 16384-wide stack (63 features x 256 + the dense token) at batch 8192; hstu_xl:
     D = 1024 over histories of up to 512 items, 64k..128k expected tokens per GPU."""
@@ -171,6 +208,15 @@ def test_xl_recipes_have_the_documented_shape():
         (["model=hstu", "model.num_heads=0"], "model.num_heads must be an int >= 1"),
         (["model=hstu", "model.candidate_feature=nope"], "model.candidate_feature: 'nope' is not a sequence feature"),
         (["model=dhen", "data.num_tables=2"], "model.ensemble='concat' needs at least one output token per"),
+        (["model=interformer", "data=pooled"], "data: unknown option(s) ['num_context_features']"),  # the recipe adds context to sequence data
+        (["model=interformer", "model.num_heads=3"], "model.num_heads (3) must divide embedding_dim (16)"),
+        (["model=interformer", "model.recent_tokens=30"], "model.recent_tokens (30) must be <= the longest history (data.max_seq_len = 20)"),
+        (["model=interformer", "model.candidate_feature=nope"], "model.candidate_feature: 'nope' is not a sequence feature"),
+        (["model=interformer", "+model.bogus=1"], "model: unknown Interformer option(s) ['bogus']"),
+        (["model=dcnv2", "data=sequence"], "model.name: the dcnv2 model needs pooled sparse features"),
+        (["model=dcnv2", "model.cross=diagonal"], "model.cross must be one of ('full', 'low_rank', 'mixture')"),
+        (["model=dcnv2", "model.structure=tree"], "model.structure must be one of ('stacked', 'parallel')"),
+        (["model=dcnv2", "model.embedding_dim=32"], "model.embedding_dim: 32 disagrees with data.embedding_dim (16)"),
     ],
 )
 def test_bad_model_options_are_one_clear_error(overrides, message):

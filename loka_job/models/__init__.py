@@ -1,4 +1,5 @@
-"""Model builders by name: ``dlrm`` and ``dcn`` (TorchRec's own), ``dhen``, ``hstu`` and ``wukong``.
+"""Model builders by name: ``dlrm`` and ``dcn`` (TorchRec's own), ``dhen``, ``hstu``, ``wukong``,
+``interformer`` and ``dcnv2``.
 
 Every model maps ``(dense_features (B, num_dense), sparse_features KeyedJaggedTensor)`` to click
 logits of shape ``(B,)``. Builders take the model's section of the recipe (a plain dict), the
@@ -192,6 +193,35 @@ def build_wukong_model(options: Dict[str, Any], spec: DataSpec, device: torch.de
     from loka_job.models.wukong import WukongConfig, build_wukong
 
     return _build_from_config(options, spec, device, "wukong", "pooled", "pooled sparse features", WukongConfig, build_wukong)
+
+
+@register_model("interformer")
+def build_interformer_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """The Interformer-style model (:mod:`loka_job.models.interformer`) on sequence data.
+
+    ``options`` are :class:`~loka_job.models.interformer.InterformerConfig` fields (plus an
+    optional ``preset``); ``embedding_dim`` defaults to, and must equal, ``data.embedding_dim``.
+    Needs ``data.kind=sequence``; its pooled context features (``data.num_context_features``)
+    are non-sequence tokens beside the candidate and the dense features.
+    """
+    from loka_job.models.interformer import InterformerConfig, build_interformer
+
+    return _build_from_config(
+        options, spec, device, "interformer", "sequence", "sequence data", InterformerConfig, build_interformer
+    )
+
+
+@register_model("dcnv2")
+def build_dcn_v2_model(options: Dict[str, Any], spec: DataSpec, device: torch.device) -> nn.Module:
+    """DCN-V2 (:mod:`loka_job.models.dcn_v2`) on pooled data.
+
+    ``options`` are :class:`~loka_job.models.dcn_v2.DcnV2Config` fields (plus an optional
+    ``preset``: ``small``/``large``/``xl``); ``embedding_dim`` defaults to, and must equal,
+    ``data.embedding_dim``. Needs ``data.kind=pooled``.
+    """
+    from loka_job.models.dcn_v2 import DcnV2Config, build_dcn_v2
+
+    return _build_from_config(options, spec, device, "dcnv2", "pooled", "pooled sparse features", DcnV2Config, build_dcn_v2)
 
 
 def _build_from_config(options, spec, device, model: str, kind: str, needs: str, config_cls, build) -> nn.Module:

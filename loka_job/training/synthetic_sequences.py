@@ -5,6 +5,11 @@ of them), a candidate item (``cand_item``, exactly one id), ``num_dense`` standa
 features, and a 0/1 click label. The items fall into ``num_clusters`` interest clusters; a user
 has one interest, draws each history item from it with probability ``interest_prob`` (else from
 all items), and is shown a candidate from it with probability ``candidate_interest_prob``.
+With ``num_context_features > 0`` every sample also carries that many pooled *context* features
+``ctx_i`` (one id each, e.g. a user's profile fields): each is, with probability
+``interest_prob``, an id of the user's interest block of its table (the ids congruent to the
+cluster modulo ``num_clusters``), else any id. They tell a student about the interest but leave
+the teacher (and so the labels and the teacher's NE) unchanged.
 
 The :class:`SequenceTeacher`, drawn from ``seed`` alone, gives each item an embedding near its
 cluster's centre and scores
@@ -44,18 +49,21 @@ from loka_job.training.synthetic import (  # seed mixing and rank sharding, shar
 __all__ = [
     "HISTORY_FEATURE",
     "CANDIDATE_FEATURE",
+    "CONTEXT_PREFIX",
     "ITEM_TABLE",
     "SyntheticSequenceConfig",
     "SequenceTeacher",
     "SyntheticSequenceDataset",
     "make_sequence_data_spec",
     "sample_users",
+    "sample_context",
     "sequence_teacher_ne",
 ]
 
 HISTORY_FEATURE = "hist_item"
 CANDIDATE_FEATURE = "cand_item"
 ITEM_TABLE = "t_item"
+CONTEXT_PREFIX = "ctx_"  # pooled context feature i is "ctx_{i}", read from its own table "t_ctx_{i}"
 _SPLITS = ("train", "eval")
 
 # Stream ids mixed into every seed (distinct from the pooled data's, so the two never share a state).
@@ -92,6 +100,8 @@ class SyntheticSequenceConfig:
         recency_decay: weight ratio of an item to the next more recent one, in (0, 1].
         teacher_logit_std: standard deviation of the teacher's logit (> 0).
         positive_rate: target mean click probability, in (0, 1).
+        num_context_features: pooled context features per sample (one id each; 0: none).
+        context_embeddings: rows of each context feature's table (>= ``num_clusters``).
 
     Example::
 
@@ -116,6 +126,8 @@ class SyntheticSequenceConfig:
     recency_decay: float = 0.8
     teacher_logit_std: float = 2.0
     positive_rate: float = 0.25
+    num_context_features: int = 0
+    context_embeddings: int = 1000
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -130,6 +142,8 @@ class SyntheticSequenceConfig:
             ("eval_batches", 1),
             ("seed", 0),
             ("teacher_dim", 1),
+            ("num_context_features", 0),
+            ("context_embeddings", 1),
         ):
             value = getattr(self, name)
             if not _is_int(value):
@@ -139,6 +153,11 @@ class SyntheticSequenceConfig:
         if self.num_clusters > self.num_items:
             raise ValueError(
                 f"SyntheticSequenceConfig.num_clusters ({self.num_clusters}) must be <= num_items ({self.num_items})"
+            )
+        if self.num_context_features and self.context_embeddings < self.num_clusters:
+            raise ValueError(
+                f"SyntheticSequenceConfig.context_embeddings ({self.context_embeddings}) must be >= num_clusters "
+                f"({self.num_clusters}): every interest cluster needs ids in each context table"
             )
         if self.min_seq_len > self.max_seq_len:
             raise ValueError(
@@ -161,13 +180,14 @@ class SyntheticSequenceConfig:
 
 def make_sequence_data_spec(config: SyntheticSequenceConfig) -> DataSpec:
     """The :class:`DataSpec`: features ``hist_item`` (up to ``max_seq_len`` ids) and ``cand_item``
-    (one id), both sequence features of the one table ``t_item``.
+    (one id), both sequence features of the one table ``t_item``, then the pooled context
+    features ``ctx_i`` (one id each, table ``t_ctx_i``).
 
     Example::
 
-        >>> spec = make_sequence_data_spec(SyntheticSequenceConfig(num_items=100, embedding_dim=8))
+        >>> spec = make_sequence_data_spec(SyntheticSequenceConfig(num_items=100, embedding_dim=8, num_context_features=1))
         >>> [(t.name, t.feature, t.pooling_factor, t.sequence) for t in spec.tables]
-        [('t_item', 'hist_item', 20, True), ('t_item', 'cand_item', 1, True)]
+        [('t_item', 'hist_item', 20, True), ('t_item', 'cand_item', 1, True), ('t_ctx_0', 'ctx_0', 1, False)]
     """
     history = TableSpec(
         name=ITEM_TABLE,
@@ -178,7 +198,11 @@ def make_sequence_data_spec(config: SyntheticSequenceConfig) -> DataSpec:
         sequence=True,
     )
     candidate = dataclasses.replace(history, feature=CANDIDATE_FEATURE, pooling_factor=1)
-    return DataSpec(num_dense=config.num_dense, tables=(history, candidate))
+    context = tuple(
+        TableSpec(name=f"t_{name}", feature=name, num_embeddings=config.context_embeddings, embedding_dim=config.embedding_dim)
+        for name in (f"{CONTEXT_PREFIX}{i}" for i in range(config.num_context_features))
+    )
+    return DataSpec(num_dense=config.num_dense, tables=(history, candidate, *context))
 
 
 class SequenceTeacher:
@@ -276,6 +300,11 @@ def sample_users(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw ``batch_size`` users: dense ``(B, num_dense)`` float32, history ids (int64, end to end),
     history lengths ``(B,)`` and candidate ids ``(B,)``."""
+    return _sample_users(teacher, g, batch_size)[:4]
+
+
+def _sample_users(teacher: SequenceTeacher, g: torch.Generator, batch_size: int) -> Tuple[torch.Tensor, ...]:
+    """:func:`sample_users` and, last, each user's interest cluster ``(B,)``."""
     cfg = teacher.config
     dense = torch.randn(batch_size, cfg.num_dense, generator=g)
     interest = torch.randint(cfg.num_clusters, (batch_size,), generator=g)
@@ -297,7 +326,28 @@ def sample_users(
 
     history = draw(owner_interest, cfg.interest_prob)
     candidate = draw(interest, cfg.candidate_interest_prob)
-    return dense, history, lengths, candidate
+    return dense, history, lengths, candidate, interest
+
+
+def sample_context(config: SyntheticSequenceConfig, g: torch.Generator, interest: torch.Tensor) -> torch.Tensor:
+    """Context ids, int64 ``(num_context_features * B,)`` feature-major: feature ``f`` of user ``u``
+    is, with probability ``interest_prob``, a uniform id among those ``= interest[u]`` modulo
+    ``num_clusters``, else a uniform id of the table.
+
+    Example::
+
+        >>> cfg = SyntheticSequenceConfig(num_clusters=4, num_context_features=2, context_embeddings=10, interest_prob=1.0)
+        >>> ids = sample_context(cfg, torch.Generator().manual_seed(0), torch.tensor([1, 3, 0]))
+        >>> ids.shape, (ids % 4).tolist()
+        (torch.Size([6]), [1, 3, 0, 1, 3, 0])
+    """
+    clusters, rows = config.num_clusters, config.context_embeddings
+    owner = interest.repeat(config.num_context_features)
+    block = (rows - 1 - owner) // clusters + 1  # ids c, c + C, ... below rows
+    step = (torch.rand(owner.shape[0], generator=g, dtype=torch.float64) * block).floor().to(torch.int64)
+    in_block = owner + clusters * step.clamp_max(block - 1)
+    anywhere = torch.randint(rows, (owner.shape[0],), generator=g)
+    return torch.where(torch.rand(owner.shape[0], generator=g) < config.interest_prob, in_block, anywhere)
 
 
 class SyntheticSequenceDataset(RankShardedSplit):
@@ -305,8 +355,8 @@ class SyntheticSequenceDataset(RankShardedSplit):
 
     Iterating yields ``len(self)`` :class:`torchrec.datasets.utils.Batch` objects:
     ``dense_features`` float32 ``(B, num_dense)``; ``sparse_features`` a ``KeyedJaggedTensor``
-    with keys ``hist_item`` (the histories) and ``cand_item`` (one id per sample), int64;
-    ``labels`` float32 ``(B,)`` of 0/1.
+    with keys ``hist_item`` (the histories), ``cand_item`` (one id per sample) and the context
+    features ``ctx_i`` (one id per sample), int64; ``labels`` float32 ``(B,)`` of 0/1.
 
     Args:
         config: the data.
@@ -357,13 +407,16 @@ class SyntheticSequenceDataset(RankShardedSplit):
             raise IndexError(f"eval batch index {index} out of range: this rank has {len(self)} eval batches")
         g = _generator(self.config.seed, self._stream, self.chunk_index(index))
         b = self.config.batch_size
-        dense, history, lengths, candidate = sample_users(self.teacher, g, b)
+        dense, history, lengths, candidate, interest = _sample_users(self.teacher, g, b)
         logits = self.teacher.logit(dense, history, lengths, candidate)
         labels = (torch.rand(b, generator=g, dtype=torch.float64) < torch.sigmoid(logits)).to(torch.float32)
+        # Drawn after everything else, so that the other features and the labels do not depend on them.
+        num_context = self.config.num_context_features
+        context = sample_context(self.config, g, interest) if num_context else history[:0]
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=[HISTORY_FEATURE, CANDIDATE_FEATURE],
-            values=torch.cat([history, candidate]),
-            lengths=torch.cat([lengths, torch.ones(b, dtype=torch.int64)]),
+            keys=[HISTORY_FEATURE, CANDIDATE_FEATURE, *(f"{CONTEXT_PREFIX}{i}" for i in range(num_context))],
+            values=torch.cat([history, candidate, context]),
+            lengths=torch.cat([lengths, torch.ones(b * (1 + num_context), dtype=torch.int64)]),
         )
         return Batch(dense_features=dense, sparse_features=kjt, labels=labels), logits
 
