@@ -582,7 +582,8 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             by_backend[backend] = by_backend.get(backend, 0) + int(n)
         out["dispatch"] = {
             "summary": loka.get("plan"),
-            "fp8_gemms": loka.get("fp8_gemms"),
+            "fp8_gemms": loka.get("fp8_gemms"),  # in force at the end (the safety valve, the guard)
+            "fp8_gemms_planned": loka.get("fp8_gemms_planned", loka.get("fp8_gemms")),
             "gemms": sum(kernels.values()),
             "fp8_by_backend": {b: n for b, n in sorted(by_backend.items()) if b != "bf16"},
             "kernels": kernels,

@@ -148,7 +148,9 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
         assert os.path.isfile(os.path.join(r["run_dir"], "summary.json"))
     # the loka run: Probe -> Dispatch plan (FP8 somewhere, with the speed gate off), by backend
     dispatch = runs["loka"]["dispatch"]
-    assert dispatch["fp8_gemms"] > 0 and sum(dispatch["fp8_by_backend"].values()) == dispatch["fp8_gemms"]
+    # planned FP8 (a short CPU run's safety valve may hold layers in bf16: in force can be fewer)
+    assert dispatch["fp8_gemms_planned"] > 0 and sum(dispatch["fp8_by_backend"].values()) == dispatch["fp8_gemms_planned"]
+    assert dispatch["fp8_gemms"] <= dispatch["fp8_gemms_planned"]
     assert runs["bf16"]["dispatch"]["fp8_gemms"] == 0 and "dispatch" not in runs["bf16_nomods"]
     assert runs["te"]["status"] == "skipped" and "CUDA only" in runs["te"]["reason"]
     rows = {r["run"]: r for r in result["table"]}

@@ -44,6 +44,16 @@ def launch(run_dir, *overrides, nproc=2, expect_ok=True, base=SMALL, torchrun=Fa
     return proc
 
 
+def assert_fp8_planned_and_in_force_said(loka_summary):
+    """FP8 was planned, and what runs is said: GEMMs in force are the planned ones less those of the
+    layers the safety valve or the step-time guard holds in bf16 (short CPU runs with a 10-step warm-up
+    often trip the valve at the first monitoring step)."""
+    assert loka_summary["fp8_gemms_planned"] > 0
+    held = loka_summary["held_in_bf16"]
+    assert loka_summary["fp8_gemms"] == loka_summary["fp8_gemms_planned"] or held, loka_summary["plan"]
+    assert ("in force" in loka_summary["plan"]) and (not held or "holds" in loka_summary["plan"] or "guard" in loka_summary["plan"])
+
+
 def read_metrics(run_dir, rank=0):
     with open(os.path.join(run_dir, f"rank{rank}", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -179,7 +189,7 @@ def test_dhen_and_hstu_recipes_train_through_the_entry_point(tmp_path, model, mo
         assert summary["compile"]["mode"] == "none" and summary["compile"]["modules"] == []
     assert summary["steps"] == 30 and summary["world_size"] == 2
     assert summary["eval_ne"] < 1.0
-    assert summary["loka"]["fp8_gemms"] > 0
+    assert_fp8_planned_and_in_force_said(summary["loka"])
     train = [r for r in read_metrics(run_dir) if "train/ne" in r]
     assert len(train) == 3 and train[-1]["train/ne"] < train[0]["train/ne"]  # loss falls
     hydra_cfg = (run_dir / ".hydra" / "config.yaml").read_text()
@@ -304,7 +314,7 @@ def test_interformer_compiled_with_the_probe_reaches_every_gemm_but_the_pma_thro
     assert {"over_arch.layers.0.sequence.attention.in_proj_weight", "over_arch.layers.0.sequence.attention.out_proj",
             "over_arch.layers.0.interaction.cross.V_kernels.0", "over_arch.layers.0.interaction.cross.W_kernels.0",
             "over_arch.layers.0.sequence.personalize"} <= set(plan["layers"]) - pma  # fmt: skip
-    assert summary["loka"]["fp8_gemms"] > 0
+    assert_fp8_planned_and_in_force_said(summary["loka"])
 
 
 @pytest.fixture(scope="module")
@@ -316,11 +326,11 @@ def dcnv2_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_dcnv2_compiled_with_the_probe_reaches_every_site_and_says_crossnet_is_left_alone(dcnv2_run):
-    """Every ``nn.Linear`` of DCN-V2 (TorchRec's MLPs, the logit) is a site the plan manages, and
-    the step compiles without graph breaks. TorchRec's full-rank ``CrossNet`` multiplies
-    ``torch.matmul(W_l, x_l)`` with the ``(N, N)`` Parameter on the left, which LoKA does not take
-    for a GEMM: its kernels are not sites, and the job's log says so."""
+def test_dcnv2_compiled_with_the_probe_reaches_every_gemm_crossnet_included(dcnv2_run):
+    """Every GEMM of DCN-V2 is a site the plan manages, and the step compiles without graph breaks:
+    TorchRec's MLPs and the logit (``nn.Linear``), and the full-rank ``CrossNet``'s kernels, which it
+    multiplies as ``torch.matmul(W_l, x_l.unsqueeze(2))`` (the ``(N, N)`` Parameter on the left of a
+    batched right operand)."""
     run_dir, proc = dcnv2_run
     assert "loka-torchrec run summary" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -328,20 +338,8 @@ def test_dcnv2_compiled_with_the_probe_reaches_every_site_and_says_crossnet_is_l
     assert summary["eval_ne"] < 1.0
     plan = json.loads((run_dir / "dispatch_plan.json").read_text())
     assert plan["never_ran"] == {} and plan["coverage"]["ran_checked"]
+    assert plan["coverage"]["share"] == 1.0 and plan["coverage"]["unreached"] == {}
     assert set(plan["layers"]) == {"over_arch.dense_arch._mlp.0._linear", "over_arch.dense_arch._mlp.1._linear",
-                                   "over_arch.deep._mlp.0._linear", "over_arch.deep._mlp.1._linear", "over_arch.logit"}  # fmt: skip
-    log = (run_dir / "rank0" / "train.log").read_text()
-    for layer in (0, 1):
-        assert f"over_arch.cross.kernels.{layer}: CrossNet's source multiplies no GEMM by it: left as is" in log
-    assert summary["loka"]["fp8_gemms"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="LoKA's coverage leaves out CrossNet's kernels: it does not take matmul(W, x) for a GEMM")
-def test_dcnv2_coverage_counts_the_full_rank_cross_gemms_as_unreached(dcnv2_run):
-    """The cross layers' ``(N, N)`` GEMMs run in high precision, so the plan's coverage should list
-    them as unreached (its share below 1.0), not leave them out of the count."""
-    run_dir, _ = dcnv2_run
-    coverage = json.loads((run_dir / "dispatch_plan.json").read_text())["coverage"]
-    assert {"over_arch.cross.kernels.0", "over_arch.cross.kernels.1"} <= set(coverage["unreached"])
-    assert coverage["share"] < 1.0
+                                   "over_arch.deep._mlp.0._linear", "over_arch.deep._mlp.1._linear", "over_arch.logit",
+                                   "over_arch.cross.kernels.0", "over_arch.cross.kernels.1"}  # fmt: skip
+    assert_fp8_planned_and_in_force_said(summary["loka"])

@@ -115,6 +115,6 @@ def test_the_installed_wheel_imports_runs_loka_inspect_and_the_torchrec_example(
     cmd = [python, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "torchrec_dlrm_example.py",
            "--steps", "10", "--probe_warmup", "4", "--run_dir", str(run_dir)]  # fmt: skip
     out = _run(cmd, cwd=elsewhere, env=env)
-    assert "LoKA made 5 GEMM site(s)" in out and "step 10 loss" in out
+    assert f"10 steps; LoKA's plan and logs: {run_dir}" in out
     plan = json.loads((run_dir / "dispatch_plan.json").read_text())
     assert 0 < plan["step"] <= 4 and len(plan["layers"]) == 5

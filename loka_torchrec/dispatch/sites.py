@@ -51,7 +51,7 @@ call in an orientation the site does not have after that runs in high precision 
 Not reached (high precision, reported by :func:`~loka_torchrec.dispatch.convert.convert_linears` or
 as "never ran" by the Dispatcher): batched GEMMs on 3-D Parameters (``bmm``/``baddbmm`` per-head
 weights), a GEMM on a view or cast of a Parameter (``x @ P.t()``, ``F.linear(x, P.to(dtype))``),
-``P @ x`` with a non-2-D ``x`` for a ``(in, out)`` Parameter, MultiheadAttention with separate q/k/v
+``P @ x`` for a ``(in, out)`` Parameter, MultiheadAttention with separate q/k/v
 weights, ``bias_k``/``bias_v`` or ``add_zero_attn``, cross-attention's sliced in-projection.
 """
 
@@ -230,12 +230,14 @@ def _matmul(mode: "SiteMode", a, b):
     site = mode.site_of(a)
     if site is not None and _traced_plain(site):
         return NotImplemented
-    if site is not None:  # P @ x = (x^T P^T)^T for an (out, in) Parameter and a 2-D x
-        if not (torch.is_tensor(b) and b.dim() == 2) or not _oriented(site, LINEAR, "P @ x"):
-            _note(site, "P @ x", "left operand with a non-2-D right operand")
+    if site is not None:  # P @ x = (x^T P^T)^T for an (out, in) Parameter; x (in,), (in, n) or (..., in, n)
+        if not torch.is_tensor(b) or not _oriented(site, LINEAR, "P @ x"):
             return NotImplemented
-        out = _call_site(site, b.t(), None)
-        return out if out is NotImplemented else out.t()
+        if b.dim() == 1:
+            out = _call_site(site, b.unsqueeze(0), None)
+            return out if out is NotImplemented else out.squeeze(0)
+        out = _call_site(site, b.transpose(-1, -2), None)
+        return out if out is NotImplemented else out.transpose(-1, -2)
     return NotImplemented
 
 
