@@ -276,7 +276,9 @@ class Loka:
         if not inputs.recorded:
             logger.warning("dispatch.grad_check: no dense-module inputs were recorded before the plan at step %d; not checked", step)
             return
-        self.dispatcher.check_gradients(functools.partial(inputs.loss, halves=True), step=step)
+        # The Probe's hooks are armed for the next step already: the check's own passes are not its data.
+        with self.probe.paused() if self.probe is not None else contextlib.nullcontext():
+            self.dispatcher.check_gradients(functools.partial(inputs.loss, halves=True), step=step)
         inputs.clear()
 
     def step_end(self, step: int, *, step_ms: Optional[float] = None, ran_eagerly: Optional[bool] = None) -> None:

@@ -176,3 +176,30 @@ def test_a_compiled_jobs_eager_probe_steps_are_not_the_guards_bf16_baseline(tmp_
     assert loka.dispatcher.state_dict()["guard"]["baseline"] == []
     loka.close()
     torch._dynamo.reset()
+
+
+def test_the_gradient_check_is_not_data_for_the_probe(tmp_path):
+    """The gradient check runs after the plan, while the Probe's hooks are already armed for the next
+    (monitoring) step: its passes on its own loss must not enter that step's statistics, where their
+    larger gradients tripped the safety valve on every layer."""
+    import outside_models
+
+    model = outside_models.UserWukong()
+    config = loka_torchrec.LokaConfig.from_dict({
+        "enabled": True, "probe": {"every": 1, "warmup_steps": 4},  # the plan at the end of step 3
+        "dispatch": {"min_speedup": 0.0, "layer_check_reps": 0, "grad_check": True},
+    })  # fmt: skip
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), device="cpu")
+    for step in (1, 2):
+        with loka.step(step):
+            model(*model.batch(16, seed=step)).sum().backward()
+    assert loka.dense_inputs is not None
+    with loka.step(3):  # the planning step: the plan, then the gradient check
+        model(*model.batch(16, seed=3)).sum().backward()
+    assert loka.dispatcher.plan.step == 3 and loka.dispatcher.plan.fp8_gemm_count() > 0
+    assert any(e["event"] == "grad_check" for e in loka.dispatcher.events)  # the check ran its passes
+    assert loka.probe.probing  # armed for step 4 already
+    for name in loka.probe.layer_names:
+        state = loka.probe.layer_state(name)
+        assert state.window_act.rows == 0 and state.window_grad.rows == 0, name
+    loka.close()

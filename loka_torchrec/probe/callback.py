@@ -41,11 +41,12 @@ What happens, step by step:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,7 @@ class ProbeCallback:
         self.planned = False
         self._closed = False
         self._armed = False
+        self._paused = False  # paused(): passes that are not training steps
         self._handles: List[Any] = []
         self._layers: Dict[str, LayerState] = {}
         self._monitoring_steps: List[int] = []  # the steps after the warm-up window that probed
@@ -392,9 +394,20 @@ class ProbeCallback:
         self._handles.clear()
         self._armed = False
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside this block the hooks record nothing: passes that are not training steps (the
+        gradient check's forward and backward on its own loss, between two steps while the next
+        step's hooks are armed) must not enter the statistics the safety valve compares."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
     def _forward_hook(self, state: LayerState, module: nn.Module, args: Tuple, kwargs: Dict[str, Any], output: Any) -> None:
-        if not module.training:
-            return  # evaluation passes inside a probe step are not training data
+        if not module.training or self._paused:
+            return  # evaluation passes inside a probe step, and paused passes, are not training data
         x = args[0] if args else next(iter(kwargs.values()), None)
         if not torch.is_tensor(x) or not x.is_floating_point():
             return
