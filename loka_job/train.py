@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from loka_job.training.console import ProgressBarConsoleHandler
@@ -360,6 +361,10 @@ def main() -> None:
     exit_process(outcome["code"])
 
 
+SILENT_RANK_GRACE_S = 30.0
+"""How long a rank that leaves an every-rank error for rank 0 to print waits before it ends itself."""
+
+
 def _report(exc: Exception, *, traceback_too: bool) -> int:
     """Print ``exc`` the way the module docstring says; returns the exit status."""
     import traceback
@@ -378,6 +383,10 @@ def _report(exc: Exception, *, traceback_too: bool) -> int:
         print(error_line(exc), file=sys.stderr, flush=True)
         if traceback_too:
             traceback.print_exception(exc)
+    else:
+        # Rank 0 prints this error; a rank that ended first would have torchrun stop rank 0 before
+        # its line is out. Wait (bounded) for rank 0 to end the job instead.
+        time.sleep(SILENT_RANK_GRACE_S)
     return EXIT_ERROR
 
 
