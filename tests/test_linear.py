@@ -34,7 +34,8 @@ from loka_torchrec.gemm.backends import base as backend_base
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.backends.emulated import EmulatedBackend
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.linear import LokaLinear, _transpose_fp8
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.dispatch.operands import transpose_fp8
 from loka_torchrec.evidence import BF16, GemmRole, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, quantize
 
@@ -349,9 +350,9 @@ def test_paired_quantization_equals_separate_quantization(choice, monkeypatch):
     x, dy = make_inputs()
     layer = LokaLinear(IN, OUT, kernels=kernels_for(choice, "all"))
     paired = run_layer(layer, x, dy)
-    from loka_torchrec.dispatch.linear import _Quantizer
+    from loka_torchrec.dispatch.quantizer import Quantizer
 
-    monkeypatch.setattr(_Quantizer, "paired", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(Quantizer, "paired", lambda self, *args, **kwargs: None)
     layer.weight.grad = layer.bias.grad = None
     separate = run_layer(layer, x, dy)
     for got, want in zip(paired, separate):
@@ -375,7 +376,7 @@ def test_paired_quantization_skipped_when_rows_need_padding(quantize_calls, monk
 )
 def test_transposed_reuse_equals_direct_quantization(granularity, block, shape):
     w = torch.randn(*shape)
-    reused = _transpose_fp8(quantize(w, E4M3, granularity, block=block))
+    reused = transpose_fp8(quantize(w, E4M3, granularity, block=block))
     direct = quantize(w.t(), E4M3, granularity, block=block)
     assert torch.equal(reused.data.view(torch.uint8), direct.data.view(torch.uint8))
     assert torch.equal(reused.dequant_scale, direct.dequant_scale)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from loka_torchrec.dispatch.config import DispatchConfig
-from loka_torchrec.dispatch.linear import GemmSite, LokaLinear
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.dispatch.gemm_site import GemmSite
 from loka_torchrec.dispatch.gemm_source import LINEAR, parameter_use
 from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, scope_module, scoped_sites
 from loka_torchrec.fp8 import Fp8Format

@@ -18,7 +18,7 @@ sites around scaled-dot-product attention. Why this and not the alternatives:
 * it sees the call whatever the user wrote (a method, ``functools.partial``, a helper function),
   where a module-adapter registry needs one hand-written adapter per model class;
 * Dynamo traces a torch-function mode entered inside the compiled region, so the site is one
-  ``_LokaLinearFunction.apply`` in the same graph as under ``LokaLinear`` (``fullgraph=True``, no
+  ``LokaLinearFunction.apply`` in the same graph as under ``LokaLinear`` (``fullgraph=True``, no
   graph break, tested); an FX pass would need the user's model to trace symbolically (HSTU's
   jagged, data-dependent shapes do not) and a second representation of the model;
 * it changes no Parameter and no ``state_dict`` key: a site holds a reference to its owner's
@@ -32,9 +32,9 @@ sites around scaled-dot-product attention. Why this and not the alternatives:
   ``use_nested_tensor`` is set to ``False`` (the check its nested-tensor path makes first):
   compiled eval/no_grad runs the sites too.
 
-A :class:`ParameterSite` is a :class:`~loka_torchrec.dispatch.linear.GemmSite`, the base of
+A :class:`ParameterSite` is a :class:`~loka_torchrec.dispatch.gemm_site.GemmSite`, the base of
 ``LokaLinear``: the same three role kernels, plan, evidence, Probe hooks (the mode calls the site
-as a module) and ``_LokaLinearFunction``; there is no second GEMM path. ``nn.Linear`` layers stay
+as a module) and ``LokaLinearFunction``; there is no second GEMM path. ``nn.Linear`` layers stay
 ``LokaLinear`` modules (they are called as modules, the cheapest reach); the one ``nn.Linear``
 PyTorch never calls, MultiheadAttention's ``out_proj``, is reached by the attention handler.
 
@@ -68,7 +68,8 @@ from torch.overrides import TorchFunctionMode
 
 from loka_torchrec.dispatch.gemm_source import LINEAR, MATMUL, einsum_layout
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.linear import GemmSite, LokaLinear, compiling
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.dispatch.gemm_site import GemmSite, compiling
 from loka_torchrec.fp8 import Fp8Format
 
 __all__ = ["ParameterSite", "SiteMode", "scope_module", "FAST_PATH_MODULES"]
