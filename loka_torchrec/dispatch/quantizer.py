@@ -62,7 +62,8 @@ class Quantizer:
 
         Eager only (compiled, Inductor fuses the two quantizations of one read itself), and only
         where one backend runs both GEMMs with the same tensorwise or rowwise spec, offers
-        ``quantize_with_transpose``, and no dim needs padding; else ``None``.
+        ``quantize_with_transpose`` (``GemmBackend.quantizes_with_transpose``), and no dim needs
+        padding; else ``None``.
         """
         if self.state is None or not (first.fp8 and second.fp8) or first.choice.backend != second.choice.backend:
             return None
@@ -72,10 +73,10 @@ class Quantizer:
         rows = t.shape[0]
         if first.padded(rows) != rows or second.padded(rows) != rows or first.padded(cols) != cols:
             return None
-        pair = getattr(first.backend, "quantize_with_transpose", None)
-        if pair is None:
+        backend = first.backend
+        if not backend.quantizes_with_transpose:
             return None
-        op, op_t = pair(t, spec, name=name)
+        op, op_t = backend.quantize_with_transpose(t, spec, name=name)
         return self.counted(op), self.counted(op_t)
 
     def total(self) -> Optional[torch.Tensor]:
