@@ -416,14 +416,14 @@ def test_valve_fractions_need_a_rise_beyond_sampling_noise():
 
 def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
     """summary.json: at the first report, the plan, a valve event, once the last rewrite is
-    ``_SUMMARY_INTERVAL_S`` old, and at close; not on every report."""
-    import loka_torchrec.probe.callback as callback_module
+    ``SUMMARY_INTERVAL_S`` old, and at close; not on every report."""
+    import loka_torchrec.probe.reports as reports_module
 
     writes = []
-    original = callback_module.write_json_atomic
-    monkeypatch.setattr(callback_module, "write_json_atomic", lambda path, obj: (writes.append(obj["step"]), original(path, obj)))
+    original = reports_module.write_json_atomic
+    monkeypatch.setattr(reports_module, "write_json_atomic", lambda path, obj: (writes.append(obj["step"]), original(path, obj)))
     clock = [1000.0]  # the callback's clock, moved by hand: one second per report
-    monkeypatch.setattr(callback_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(reports_module.time, "perf_counter", lambda: clock[0])
     model = _mlp()
     dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
     cfg = ProbeConfig(enabled=True, every=1, warmup_steps=2, every_after=1, monitor_budget=0.0, samples=2, speed_reps=1, max_rows_per_step=32)
@@ -436,7 +436,7 @@ def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
         cb.on_step_end(step)
         clock[0] += 1.0
         if step == 8:
-            clock[0] += callback_module._SUMMARY_INTERVAL_S  # the summary is now stale
+            clock[0] += reports_module.SUMMARY_INTERVAL_S  # the summary is now stale
     assert writes == [0, 1, 9]
     cb.close()
     assert writes == [0, 1, 9, 11] and read_summary(tmp_path / "probe" / "summary.json")[0]["planned"]
