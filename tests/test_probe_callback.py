@@ -183,6 +183,20 @@ def test_errors_are_measured_with_the_consumers_forward_scaling(tmp_path):
     assert evidence["delayed"][fwd_rw] == evidence["current"][fwd_rw]
 
 
+def test_a_consumer_that_declares_nothing_of_its_training_gets_the_base_class_defaults(tmp_path):
+    """``grad_format``, ``times_in_graphs`` and ``forward_scaling`` are declared on
+    ``EvidenceConsumer``: a consumer that does not override them is timed with E4M3 gradients on
+    eager layers, and so is a Probe without a consumer."""
+    assert (EvidenceConsumer().grad_format, EvidenceConsumer().times_in_graphs) == ("e4m3", False)
+    for consumer in (FakeDispatch, None):
+        model = _mlp()
+        cb = probe(model, CFG, run_dir=str(tmp_path / str(consumer)), consumer=consumer and consumer({"fc1": model[0]}))
+        _train(model, cb, 4)
+        cb.close()
+        cache = cb._evaluator.speed_cache
+        assert cb.planned and cache.grad_format == "e4m3" and cache.device_time is False
+
+
 def _shifted(spike_step, kind):
     def data(step, x):
         if step == spike_step:

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
-from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.gemm.backends import backend_names, get_backend
 from loka_torchrec.gemm.speed import SpeedCache
 from loka_torchrec.probe.config import ProbeConfig
@@ -69,6 +68,8 @@ class LayerEvaluator:
         self._layers = layers
         self._config = config
         self._consumer = consumer
+        # How training quantizes and times the layers: the consumer says, else the base class's defaults.
+        self._training = consumer if consumer is not None else EvidenceConsumer()
         self._ranks = ranks
         self._seconds = seconds
         self.speed_cache: Optional[SpeedCache] = None  # made at the first round, on the layers' device
@@ -89,12 +90,11 @@ class LayerEvaluator:
         t0 = time.perf_counter()
         if self.speed_cache is None:
             device = next(iter(self._layers.values())).module.weight.device
-            # Gradients are quantized as Dispatch will quantize them (E4M3 unless it says otherwise).
-            grad_format = getattr(self._consumer, "grad_format", None) or Fp8Format.E4M3
-            # Under dense CUDA graphs a step pays the candidates' device time only: time them so.
-            device_time = bool(getattr(self._consumer, "times_in_graphs", False))
+            # Gradients are quantized as Dispatch will quantize them; under dense CUDA graphs a step
+            # pays the candidates' device time only: time them so.
             self.speed_cache = SpeedCache(
-                reps=self._config.resolved_speed_reps(device), grad_format=grad_format, device_time=device_time
+                reps=self._config.resolved_speed_reps(device), grad_format=self._training.grad_format,
+                device_time=self._training.times_in_graphs,
             )
         mine: Results = {}
         for i, name in enumerate(names):
@@ -134,7 +134,7 @@ class LayerEvaluator:
                 result = evaluate_layer(
                     snap, self.candidates(name), config=self._config, speed_cache=self.speed_cache,
                     seed=self._config.seed, seconds=parts,
-                    forward_scaling=getattr(self._consumer, "forward_scaling", "current"),
+                    forward_scaling=self._training.forward_scaling,
                 )  # fmt: skip
             self._seconds["evaluate_error"] += parts.get("error", 0.0)
             self._seconds["evaluate_speed"] += parts.get("speed", 0.0)
