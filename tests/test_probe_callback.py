@@ -491,6 +491,29 @@ def test_state_dict_round_trip_resumes_a_planned_probe_without_replanning(tmp_pa
     other.close()
 
 
+def test_layer_status_is_an_enum_inside_and_a_string_in_checkpoints_and_logs(tmp_path):
+    """The layer's status is a :class:`LayerStatus`; its checkpoint and its log records hold the
+    plain string, and a checkpoint's string (any earlier one's too) loads back as the enum."""
+    from loka_torchrec.probe.layer_state import LayerStatus
+
+    model = _mlp()
+    cb = probe(model, CFG, run_dir=str(tmp_path / "a"), consumer=FakeDispatch({"fc1": model[0], "fc2": model[2]}))
+    _train(model, cb, 6)
+    cb.close()
+    assert cb.layer_state("fc1").state is LayerStatus.PLANNED
+    state = cb.state_dict()
+    assert type(state["layers"]["fc1"]["state"]) is str and state["layers"]["fc1"]["state"] == "planned"
+    records, _ = read_rank_log(tmp_path / "a" / "probe" / "rank0.jsonl")
+    assert {type(rec["state"]) for rec in records} == {str} and records[0]["state"] == "warmup"
+    resumed = probe(model, CFG, run_dir=str(tmp_path / "b"), consumer=FakeDispatch({"fc1": model[0], "fc2": model[2]}))
+    resumed.load_state_dict(state)
+    assert resumed.layer_state("fc1").state is LayerStatus.PLANNED
+    state["layers"]["fc2"]["state"] = "tripped"
+    with pytest.raises(ValueError, match="layer 'fc2' has state 'tripped'; expected one of warmup, planned, fallback"):
+        resumed.load_state_dict(state)
+    resumed.close()
+
+
 def test_a_model_without_convertible_layers_warns_once_and_runs_to_the_end(tmp_path, caplog):
     """It used to die with a bare StopIteration at the end of warm-up, leaving rank0.jsonl open."""
     model = nn.Sequential(nn.ReLU(), nn.Tanh())

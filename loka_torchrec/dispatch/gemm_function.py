@@ -14,17 +14,27 @@ is transposed and kept (compiled; eagerly the weight cache serves it).
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Optional, Tuple
 
 import torch
 
 from loka_torchrec.dispatch.eager_cache import EagerState
-from loka_torchrec.dispatch.operands import crop, pack_operand, pad2d, transpose_fp8, transposed_spec, unpack_operand
+from loka_torchrec.dispatch.operands import OperandKind, crop, pack_operand, pad2d, transpose_fp8, transposed_spec, unpack_operand
 from loka_torchrec.dispatch.quantizer import Quantizer
 from loka_torchrec.dispatch.role_kernels import RoleKernel, SitePlan, prior_amax_by_operand, reuses_transposed
 from loka_torchrec.fp8 import Fp8Tensor, Granularity
 
-__all__ = ["LokaLinearFunction", "forward_gemm"]
+__all__ = ["KeptActivation", "LokaLinearFunction", "forward_gemm"]
+
+
+class KeptActivation(enum.Enum):
+    """What the forward keeps of ``x`` for grad-weight."""
+
+    NONE = "none"  # no weight gradient wanted: nothing
+    HIGH_PRECISION = "hp"  # x itself (grad-weight runs in high precision)
+    FP8_TRANSPOSED = "transpose"  # the forward's FP8 x, transposed in the backward
+    OPERAND = "operand"  # grad-weight's B operand x^T, quantized in the forward
 
 
 def _weight_operand(q: Quantizer, weight: torch.Tensor, kernel: RoleKernel, plan: SitePlan, *, transposed: bool) -> Any:
@@ -80,19 +90,15 @@ def forward_gemm(
     return y, xq
 
 
-def _wgrad_activation(q: Quantizer, x2d: torch.Tensor, xq: Any, plan: SitePlan) -> Tuple[str, Any]:
-    """What the forward keeps of ``x`` for grad-weight: ``(mode, operand)``.
-
-    ``"hp"``: ``x`` itself; ``"transpose"``: the forward's FP8 ``x``, transposed in the backward;
-    ``"operand"``: the grad-weight ``B`` operand ``x^T``, quantized now.
-    """
+def _wgrad_activation(q: Quantizer, x2d: torch.Tensor, xq: Any, plan: SitePlan) -> Tuple[KeptActivation, Any]:
+    """What the forward keeps of ``x`` for grad-weight: ``(kind, operand)`` (:class:`KeptActivation`)."""
     wk, fk = plan.wgrad, plan.fwd
     if not wk.fp8:
-        return "hp", x2d
+        return KeptActivation.HIGH_PRECISION, x2d
     shape = (wk.padded(plan.in_features), wk.padded(x2d.shape[0]))  # x^T: (N, K) of grad-weight
     if isinstance(xq, Fp8Tensor) and reuses_transposed(fk, "a", wk, "b"):
-        return "transpose", xq
-    return "operand", q(wk, pad2d(x2d.t(), *shape), wk.recipe.b, "input^T")
+        return KeptActivation.FP8_TRANSPOSED, xq
+    return KeptActivation.OPERAND, q(wk, pad2d(x2d.t(), *shape), wk.recipe.b, "input^T")
 
 
 def _grad_input(
@@ -117,7 +123,7 @@ def _grad_input(
 
 
 def _grad_weight(
-    q: Quantizer, dy2d: torch.Tensor, x_mode: str, x_op: Any, dyq: Any, plan: SitePlan, out_dtype: torch.dtype,
+    q: Quantizer, dy2d: torch.Tensor, x_kept: KeptActivation, x_op: Any, dyq: Any, plan: SitePlan, out_dtype: torch.dtype,
     dytq: Any = None,
 ) -> torch.Tensor:
     """``dW (out, in) = dy^T x`` from the kept activation and, where reusable, dgrad's FP8 ``dy``."""
@@ -132,7 +138,7 @@ def _grad_weight(
         a = transpose_fp8(dyq)
     else:
         a = q(wk, pad2d(dy2d.t(), *shape), wk.recipe.a, "grad_output^T")
-    b = transpose_fp8(x_op) if x_mode == "transpose" else x_op
+    b = transpose_fp8(x_op) if x_kept is KeptActivation.FP8_TRANSPOSED else x_op
     dw = backend.mm(a, b, wk.recipe, out_dtype)
     return crop(dw, plan.out_features, plan.in_features)
 
@@ -167,12 +173,12 @@ class LokaLinearFunction(torch.autograd.Function):
         ctx.x_dtype = x2d.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.x_mode, x_tensors, ctx.x_meta = "none", (), ("opaque", None)
+        ctx.x_kept, x_tensors, ctx.x_meta = KeptActivation.NONE, (), (OperandKind.OPAQUE, None)
         if pair is not None:
-            ctx.x_mode, x_op = "operand", pair[1]
+            ctx.x_kept, x_op = KeptActivation.OPERAND, pair[1]
             x_tensors, ctx.x_meta = pack_operand(x_op)
         elif ctx.needs_input_grad[1]:
-            ctx.x_mode, x_op = _wgrad_activation(q, x2d, xq, plan)
+            ctx.x_kept, x_op = _wgrad_activation(q, x2d, xq, plan)
             x_tensors, ctx.x_meta = pack_operand(x_op)
         ctx.w_t_meta, w_t_tensors = None, ()
         if w_t is not None:
@@ -208,7 +214,7 @@ class LokaLinearFunction(torch.autograd.Function):
             grad_x, dyq = _grad_input(q, dy2d, weight, plan, ctx.x_dtype, dyq=None if pair is None else pair[0], w_op=w_t)
         if ctx.needs_input_grad[1]:
             x_op = unpack_operand(tuple(x_tensors), ctx.x_meta)
-            grad_w = _grad_weight(q, dy2d, ctx.x_mode, x_op, dyq, plan, weight.dtype, dytq=None if pair is None else pair[1])
+            grad_w = _grad_weight(q, dy2d, ctx.x_kept, x_op, dyq, plan, weight.dtype, dytq=None if pair is None else pair[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2d.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None

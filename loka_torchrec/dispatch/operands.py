@@ -14,6 +14,7 @@ Stateless tensor helpers, shared by the GEMM helpers of
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from loka_torchrec.fp8 import Fp8Tensor, Granularity
 from loka_torchrec.gemm.recipes import OperandSpec
 
-__all__ = ["crop", "pack_operand", "pad2d", "transpose_fp8", "transpose_reusable", "transposed_spec", "unpack_operand"]
+__all__ = ["OperandKind", "crop", "pack_operand", "pad2d", "transpose_fp8", "transpose_reusable", "transposed_spec", "unpack_operand"]
 
 
 def pad2d(t: torch.Tensor, rows, cols) -> torch.Tensor:
@@ -67,19 +68,27 @@ def transpose_fp8(q: Fp8Tensor) -> Fp8Tensor:
     return Fp8Tensor(q.data.t().contiguous(), scale, q.fmt, q.granularity, block)
 
 
+class OperandKind(enum.Enum):
+    """What a packed operand was: an :class:`Fp8Tensor`, a plain tensor, or a backend's own type."""
+
+    FP8 = "fp8"
+    TENSOR = "tensor"
+    OPAQUE = "opaque"  # a backend's own operand type (eager only): kept as is, not saved as tensors
+
+
 def pack_operand(op: Any) -> Tuple[Tuple[torch.Tensor, ...], Any]:
     """Split an operand into tensors for ``ctx.save_for_backward`` and the metadata to rebuild it."""
     if isinstance(op, Fp8Tensor):
-        return (op.data, op.dequant_scale), ("fp8", op.fmt, op.granularity, op.block)
+        return (op.data, op.dequant_scale), (OperandKind.FP8, op.fmt, op.granularity, op.block)
     if isinstance(op, torch.Tensor):
-        return (op,), ("tensor",)
-    return (), ("opaque", op)  # a backend's own operand type (eager only): kept as is
+        return (op,), (OperandKind.TENSOR,)
+    return (), (OperandKind.OPAQUE, op)
 
 
 def unpack_operand(tensors: Tuple[torch.Tensor, ...], meta: Any) -> Any:
     """The operand :func:`pack_operand` split into ``tensors`` and ``meta``."""
-    if meta[0] == "fp8":
+    if meta[0] is OperandKind.FP8:
         return Fp8Tensor(tensors[0], tensors[1], meta[1], meta[2], meta[3])
-    if meta[0] == "tensor":
+    if meta[0] is OperandKind.TENSOR:
         return tensors[0]
     return meta[1]

@@ -56,7 +56,7 @@ from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import device_name
 from loka_torchrec.probe.evidence_rounds import LayerEvaluator, default_candidates, errors_grew, evidence_records
 from loka_torchrec.probe.hooks import ProbeHooks, canonical_fqn, resolve_layers
-from loka_torchrec.probe.layer_state import LayerState
+from loka_torchrec.probe.layer_state import LayerState, LayerStatus
 from loka_torchrec.probe.logs import LOG_VERSION, ProbeLog
 from loka_torchrec.probe.merge import Ranks
 from loka_torchrec.probe.reports import ProbeReports
@@ -162,6 +162,8 @@ class ProbeCallback:
         if not self.enabled:
             return {"version": self._STATE_VERSION, "enabled": False}
         layers = {name: {field: getattr(st, field) for field in self._LAYER_FIELDS} for name, st in self._layers.items()}
+        for fields in layers.values():
+            fields["state"] = fields["state"].value  # a plain str: loads with torch.load(weights_only=True)
         return {
             "version": self._STATE_VERSION,
             "enabled": True,
@@ -189,10 +191,12 @@ class ProbeCallback:
                 f"probe state: layers differ from this model's (only saved: {sorted(saved - mine)}; "
                 f"only here: {sorted(mine - saved)})"
             )
+        statuses = {name: _status(name, fields["state"]) for name, fields in state["layers"].items()}
         for name, fields in state["layers"].items():
             layer = self._layers[name]
             for field in self._LAYER_FIELDS:
                 setattr(layer, field, fields[field])
+            layer.state = statuses[name]
         self.planned = bool(state["planned"])
         self._probe_steps = int(state["probe_steps"])
         self._monitoring_steps = list(state.get("monitoring_steps", []))
@@ -260,7 +264,7 @@ class ProbeCallback:
         self.cadence.tick(plain=not probed and self.planned == planned_before)
         if probed and step >= self.config.warmup_steps:
             self._monitoring_steps.append(step)
-            waiting = any(state.state == "fallback" for state in self._layers.values())  # the same on every rank
+            waiting = any(state.state is LayerStatus.FALLBACK for state in self._layers.values())  # the same on every rank
             at_most = self.config.readmit_every if waiting else 0
             interval = self.cadence.after_monitoring(step, self.group, at_most=at_most)  # collective
             if self.rank == 0 and self.config.monitor_budget:
@@ -352,10 +356,10 @@ class ProbeCallback:
         results = self._evaluator.evaluate(names, {n: (self._layers[n].reference_act, self._layers[n].reference_grad) for n in names})
         for name, (evidence, details) in results.items():
             state = self._layers[name]
-            state.evidence, state.evidence_step, state.state = evidence, step, "planned"
+            state.evidence, state.evidence_step, state.state = evidence, step, LayerStatus.PLANNED
             state.evidence_records = evidence_records(evidence, details)
             record = records.get(name) or self._reports.plan_record(step, state)
-            record.update(event="plan", evidence=state.evidence_records, state=state.state)
+            record.update(event="plan", evidence=state.evidence_records, state=state.state.value)
             if state.reference_act is not None:
                 record["reference"] = {"act": state.reference_act.summary(), "grad": state.reference_grad.summary()}
             records[name] = record
@@ -401,3 +405,12 @@ class ProbeCallback:
             "layers": self._reports.layer_summaries(),
             "events": self._reports.events,
         }
+
+
+def _status(layer: str, value: str) -> LayerStatus:
+    """A checkpoint's status string of ``layer`` as a :class:`LayerStatus`."""
+    try:
+        return LayerStatus(value)
+    except ValueError:
+        expected = ", ".join(s.value for s in LayerStatus)
+        raise ValueError(f"probe state: layer {layer!r} has state {value!r}; expected one of {expected}") from None

@@ -57,7 +57,7 @@ class ProbeReports:
                 "grad": {"local": digest.local_grad, "merged": digest.merged_grad, "rank_deviation": digest.deviation_grad},
                 "weight": digest.weight,
             },
-            "state": state.state,
+            "state": state.state.value,
         }
 
     def plan_record(self, step: int, state: LayerState) -> Dict[str, Any]:
@@ -111,7 +111,7 @@ class ProbeReports:
             last = state.history[-1] if state.history else {}
             layers[name] = {
                 "shape": state.shape_dict(),
-                "state": state.state,
+                "state": state.state.value,
                 "reason": state.reason,
                 "latest": last,
                 "latest_stats": state.latest_stats,

@@ -18,22 +18,35 @@ ranks act alike.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from loka_torchrec.evidence import EvidenceConsumer
 from loka_torchrec.probe.config import ProbeConfig
-from loka_torchrec.probe.layer_state import LayerState
+from loka_torchrec.probe.layer_state import LayerState, LayerStatus
 from loka_torchrec.probe.merge import Ranks
 from loka_torchrec.probe.reports import ProbeReports
 from loka_torchrec.probe.step_end import MergedStep, merged_into
 from loka_torchrec.probe.valve import Trigger, check_shift, describe, nonfinite_spread
 
-__all__ = ["SafetyValve"]
+__all__ = ["SafetyValve", "ValveAction"]
 
 logger = logging.getLogger("loka_torchrec.probe")
 
-Verdicts = Dict[str, Tuple[str, List[Dict[str, Any]]]]
+
+
+class ValveAction(enum.Enum):
+    """What the safety valve does to one layer at a monitoring step."""
+
+    OK = "ok"  # nothing: a planned layer that did not trip, or one that runs bf16 anyway
+    FALLBACK = "fallback"  # a guarded planned layer tripped: to bf16, recovery starts
+    RESTART = "restart"  # a fallen-back layer tripped again: its recovery restarts from this step
+    RECOVER = "recover"  # a fallen-back layer's step tripped nothing: one more clean window
+    IDLE = "idle"  # a fallen-back layer that saw no rows this step
+
+
+Verdicts = Dict[str, Tuple[ValveAction, List[Dict[str, Any]]]]
 """Layer name -> its action and the triggers (as dicts) behind it."""
 
 
@@ -67,10 +80,10 @@ class SafetyValve:
             if triggers:
                 record["triggers"] = trigger_dicts
             finite = not any(t.signal == "nonfinite" for t in triggers)
-            if action == "fallback":
+            if action is ValveAction.FALLBACK:
                 # The tripping window itself is not part of the recovery: a transient spike would
                 # otherwise inflate the reference the layer is readmitted with.
-                state.state, state.reason, state.clean_windows = "fallback", describe(triggers), 0
+                state.state, state.reason, state.clean_windows = LayerStatus.FALLBACK, describe(triggers), 0
                 state.recovery_act = state.recovery_grad = None
                 state.reset_reservoir()
                 logger.warning("Probe: step %d: layer %s falls back to bf16: %s", step, state.name, state.reason)
@@ -78,21 +91,21 @@ class SafetyValve:
                     self._consumer.fallback(state.name, state.reason, step=step)
                 self._reports.event(step, state.name, "fallback", state.reason, triggers=trigger_dicts)
                 record["event"] = "fallback"
-            elif action == "restart":
+            elif action is ValveAction.RESTART:
                 # The distribution moved again: the new level starts a new recovery (when finite).
                 fresh = finite and m_act.count > 0
                 state.recovery_act, state.recovery_grad = (m_act.clone(), m_grad.clone()) if fresh else (None, None)
                 state.clean_windows = 1 if fresh else 0
                 record["event"] = "recovering"
-            elif action == "recover":
+            elif action is ValveAction.RECOVER:
                 state.recovery_act = merged_into(state.recovery_act, m_act)
                 state.recovery_grad = merged_into(state.recovery_grad, m_grad)
                 state.clean_windows += 1
                 record["event"] = "recovering"
                 if state.clean_windows >= self._config.readmit_windows:
                     reevaluate.append(state.name)
-            record["state"] = state.state
-            record["decision"] = {"state": state.state, "reason": state.reason}
+            record["state"] = state.state.value
+            record["decision"] = {"state": state.state.value, "reason": state.reason}
         return reevaluate
 
     def readmit(self, step: int, states: Sequence[LayerState], records: Dict[str, Dict[str, Any]], *, replanned: bool) -> None:
@@ -101,7 +114,7 @@ class SafetyValve:
         for state in states:
             state.reference_act, state.reference_grad = state.recovery_act, state.recovery_grad
             state.recovery_act = state.recovery_grad = None
-            state.state, state.clean_windows = "planned", 0
+            state.state, state.clean_windows = LayerStatus.PLANNED, 0
             reason = (f"statistics settled for {self._config.readmit_windows} probe step(s); "
                       f"re-evaluated{' and re-planned' if replanned else ''}")  # fmt: skip
             state.reason = ""
@@ -109,14 +122,14 @@ class SafetyValve:
                 self._consumer.readmit(state.name, step=step)
             logger.warning("Probe: step %d: layer %s readmitted: %s", step, state.name, reason)
             self._reports.event(step, state.name, "readmit", reason)
-            records[state.name].update(event="readmit", state=state.state, decision={"state": "planned", "reason": reason})
+            records[state.name].update(event="readmit", state=state.state.value, decision={"state": state.state.value, "reason": reason})
 
     def _judge(self, states: Sequence[LayerState], merged: MergedStep, guarded: Set[str]) -> Verdicts:
-        """Each layer's action (``"fallback"``, ``"restart"``, ``"recover"``, ``"idle"``, ``"ok"``) and triggers."""
+        """Each layer's :class:`ValveAction` and the triggers behind it."""
         verdicts: Verdicts = {}
         for state, m_act, m_grad in zip(states, merged.act, merged.grad):
             digest = merged.digests[state.name]
-            if state.state == "planned":
+            if state.state is LayerStatus.PLANNED:
                 ref_act, ref_grad = state.reference_act, state.reference_grad
             else:
                 ref_act, ref_grad = state.recovery_act, state.recovery_grad
@@ -134,12 +147,12 @@ class SafetyValve:
                 dataclasses.replace(t, spread=nonfinite_spread(t.tensor, kernels)) if t.signal == "nonfinite" else t
                 for t in triggers
             ]
-            if state.state == "planned":
+            if state.state is LayerStatus.PLANNED:
                 # A layer that runs bf16 has nothing to fall back from; its triggers are only logged.
-                action = "fallback" if triggers and state.name in guarded else "ok"
-            elif state.state == "fallback":
-                action = "restart" if triggers else ("recover" if m_act.count else "idle")
+                action = ValveAction.FALLBACK if triggers and state.name in guarded else ValveAction.OK
+            elif state.state is LayerStatus.FALLBACK:
+                action = ValveAction.RESTART if triggers else (ValveAction.RECOVER if m_act.count else ValveAction.IDLE)
             else:
-                action = "ok"
+                action = ValveAction.OK
             verdicts[state.name] = (action, [t.to_dict() for t in triggers])
         return verdicts
