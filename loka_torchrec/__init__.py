@@ -11,7 +11,8 @@ Top level UX:
 * :func:`plain_modules` -- a converted model back to plain ``nn.Linear`` layers and modules,
   sharing its Parameters, for serving (the model mods stay: they change the architecture).
 
-Configuration: :class:`LokaConfig`, holding each capability's frozen dataclass
+Configuration: :class:`LokaConfig` (most jobs take a recipe: ``LokaConfig.from_recipe("default")``,
+:class:`LokaRecipe`), holding each capability's frozen dataclass
 (:class:`~loka_torchrec.probe.ProbeConfig`, :class:`DispatchConfig`,
 :class:`~loka_torchrec.mods.ModsConfig`, :class:`~loka_torchrec.comms.CommsConfig`).
 
@@ -22,11 +23,11 @@ under ``torch.compile``).
 """
 
 from loka_torchrec.api import ApplyReport, apply
-from loka_torchrec.config import LokaConfig
+from loka_torchrec.config import LokaConfig, LokaRecipe
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.linear import LokaLinear
 from loka_torchrec.plain import plain_modules
 from loka_torchrec.prepare import Loka, prepare
 
-__all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "apply", "plain_modules", "prepare"]
+__all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "LokaRecipe", "apply", "plain_modules", "prepare"]
 __version__ = "0.1.0"

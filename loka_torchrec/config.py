@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Dict, Mapping, Type, TypeVar
 
 from loka_torchrec.comms.config import CommsConfig
@@ -10,7 +11,7 @@ from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.mods.config import ModsConfig
 from loka_torchrec.probe.config import ProbeConfig
 
-__all__ = ["LokaConfig", "from_mapping"]
+__all__ = ["LokaConfig", "LokaRecipe", "from_mapping"]
 
 T = TypeVar("T")
 
@@ -31,9 +32,34 @@ def from_mapping(cls: Type[T], values: Mapping[str, Any], *, field: str) -> T:
     return cls(**kwargs)
 
 
+class LokaRecipe(str, enum.Enum):
+    """The named configurations of :meth:`LokaConfig.from_recipe`."""
+
+    DEFAULT = "default"
+    """The Probe learns each layer's statistics over a warm-up window, Dispatch plans each GEMM from
+    that evidence (``policy``), the safety valve and the step-time guard watch the plan, and the
+    embedding all-to-all precision is timed (``auto``); the model is not changed. The reference
+    job's ``recipes/loka/default.yaml``, and ``LokaConfig(enabled=True)``."""
+    ALL_MODS = "all_mods"
+    """``default`` with every model mod applied before conversion (``ModsConfig(preset="all")``):
+    the reference job's LoKA runs. Mods change the architecture and the checkpoint."""
+    NO_PROBE = "no_probe"
+    """``default`` without the Probe: no hooks; Dispatch plans once, at ``dispatch.plan_at_step``,
+    from random-input evidence, and nothing watches the plan's numerics afterwards."""
+    ALL_BF16 = "all_bf16"
+    """No FP8 anywhere, with LoKA's plan file and logs: every GEMM in bf16 (``dispatch.mode``
+    ``all-bf16``), the embedding all-to-all in fp32, no Probe. The reference to compare with."""
+    OFF = "off"
+    """``enabled=False``: LoKA changes nothing (``LokaConfig()``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LokaConfig:
     """Everything LoKA does to a job. ``enabled=False`` (the default) changes nothing.
+
+    Most jobs pick a recipe (:class:`LokaRecipe`: ``"default"``, ``"all_mods"``, ``"no_probe"``,
+    ``"all_bf16"``, ``"off"``) and change a field or two with ``dataclasses.replace``; each
+    capability's own config documents its expert knobs.
 
     Attributes:
         enabled: the one switch: :func:`loka_torchrec.prepare` with ``enabled=False`` returns a
@@ -45,6 +71,21 @@ class LokaConfig:
         mods: model changes applied before conversion (:class:`~loka_torchrec.mods.config.ModsConfig`).
         comms: embedding all-to-all precisions (:class:`~loka_torchrec.comms.config.CommsConfig`; ``"auto"``
             by default: fp8 or fp32 per direction from a timing before the first step).
+
+    Example::
+
+        >>> config = LokaConfig.from_recipe("default")
+        >>> config == LokaConfig(enabled=True), config.probe.enabled, config.dispatch.mode
+        (True, True, 'policy')
+        >>> LokaConfig.from_recipe("no_probe").dispatch.evidence  # no Probe: random-input evidence
+        'random'
+        >>> quick = dataclasses.replace(config, probe=dataclasses.replace(config.probe, warmup_steps=20))
+        >>> quick.probe.warmup_steps, quick.dispatch.evidence
+        (20, 'probe')
+        >>> LokaConfig.from_recipe("fp8")
+        Traceback (most recent call last):
+        ...
+        ValueError: recipe: expected one of default, all_mods, no_probe, all_bf16, off, got 'fp8'
     """
 
     enabled: bool = False
@@ -66,6 +107,19 @@ class LokaConfig:
             object.__setattr__(self, "dispatch", dataclasses.replace(self.dispatch, evidence=resolved))
 
     @classmethod
+    def from_recipe(cls, recipe: "LokaRecipe | str") -> "LokaConfig":
+        """The configuration :class:`LokaRecipe` ``recipe`` names (a member or its string).
+
+        Raises:
+            ValueError: ``recipe`` names none; the message lists the recipes.
+        """
+        try:
+            recipe = LokaRecipe(recipe)
+        except ValueError:
+            raise ValueError(f"recipe: expected one of {', '.join(r.value for r in LokaRecipe)}, got {recipe!r}") from None
+        return _RECIPES[recipe]
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "LokaConfig":
         """From a plain (e.g. Hydra/OmegaConf-resolved) mapping; names the field of any error."""
         values = dict(values or {})
@@ -79,3 +133,15 @@ class LokaConfig:
                 continue
             kwargs[f.name] = from_mapping(type(f.default), values[f.name], field=f"loka.{f.name}")
         return cls(**kwargs)
+
+
+_RECIPES: Dict[LokaRecipe, LokaConfig] = {
+    LokaRecipe.DEFAULT: LokaConfig(enabled=True),
+    LokaRecipe.ALL_MODS: LokaConfig(enabled=True, mods=ModsConfig(preset="all")),
+    LokaRecipe.NO_PROBE: LokaConfig(enabled=True, probe=ProbeConfig(enabled=False)),
+    LokaRecipe.ALL_BF16: LokaConfig(
+        enabled=True, probe=ProbeConfig(enabled=False), dispatch=DispatchConfig(mode="all-bf16"),
+        comms=CommsConfig(forward="fp32", backward="fp32"),
+    ),
+    LokaRecipe.OFF: LokaConfig(),
+}

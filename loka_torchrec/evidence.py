@@ -204,7 +204,8 @@ def shape_tuple(shape: GemmShape) -> Tuple[int, int, int]:
 class EvidenceConsumer:
     """What the Probe needs from Dispatch (implemented by ``loka_torchrec.dispatch.Dispatcher``).
 
-    Written as a plain base class so that the Probe can depend on this module alone.
+    Written as a plain base class so that the Probe can depend on this module alone. The
+    properties are optional: their defaults describe eager layers with E4M3 gradients.
     """
 
     def managed_layers(self) -> "Dict[str, Any]":
@@ -216,6 +217,17 @@ class EvidenceConsumer:
         """How training scales the layers' FP8 input operands, ``"current"`` or ``"delayed"``
         (by earlier calls' amax); the Probe measures errors so. Default: ``"current"``."""
         return "current"
+
+    @property
+    def grad_format(self) -> str:
+        """FP8 format of the gradient operands; the Probe times the candidates with it. Default: ``"e4m3"``."""
+        return "e4m3"
+
+    @property
+    def times_in_graphs(self) -> bool:
+        """Whether the layers run as CUDA-graph replays, so that a step pays the candidates'
+        device time only; the Probe times them so. Default: ``False``."""
+        return False
 
     def candidates(self, layer: str) -> "Dict[GemmRole, list]":
         """The :class:`KernelChoice` candidates to evaluate for each role of ``layer``."""

@@ -188,7 +188,7 @@ def test_gradient_format_reaches_layers_and_the_probe(tmp_path):
     model(torch.randn(8, model[0].in_features)).sum().backward()
     callback.on_step_end(0)
     callback.close()
-    assert callback._speed_cache is not None and Fp8Format.parse(callback._speed_cache.grad_format) == Fp8Format.E5M2
+    assert callback._evaluator.speed_cache is not None and Fp8Format.parse(callback._evaluator.speed_cache.grad_format) == Fp8Format.E5M2
 
 
 @register_backend

@@ -34,9 +34,11 @@ from loka_torchrec.gemm.backends import base as backend_base
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.backends.emulated import EmulatedBackend
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.linear import LokaLinear, _transpose_fp8
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.dispatch.operands import transpose_fp8
 from loka_torchrec.evidence import BF16, GemmRole, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, quantize
+from loka_torchrec.gemm.recipes import recipe_for
 
 FP8_CHOICES = [
     "emulated:tensorwise",
@@ -136,10 +138,9 @@ def quantize_calls(monkeypatch):
             return _original(t, spec, name=name)
 
         monkeypatch.setattr(backend, "quantize", spy)
-        paired = getattr(backend, "quantize_with_transpose", None)
-        if paired is not None:
+        if backend.quantizes_with_transpose:
 
-            def spy_pair(t, spec, *, name="operand", _original=paired):
+            def spy_pair(t, spec, *, name="operand", _original=backend.quantize_with_transpose):
                 calls.append(f"{name}+T")  # the operand and its transpose from one call
                 return _original(t, spec, name=name)
 
@@ -349,13 +350,28 @@ def test_paired_quantization_equals_separate_quantization(choice, monkeypatch):
     x, dy = make_inputs()
     layer = LokaLinear(IN, OUT, kernels=kernels_for(choice, "all"))
     paired = run_layer(layer, x, dy)
-    from loka_torchrec.dispatch.linear import _Quantizer
+    from loka_torchrec.dispatch.quantizer import Quantizer
 
-    monkeypatch.setattr(_Quantizer, "paired", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(Quantizer, "paired", lambda self, *args, **kwargs: None)
     layer.weight.grad = layer.bias.grad = None
     separate = run_layer(layer, x, dy)
     for got, want in zip(paired, separate):
         assert torch.equal(got, want)
+
+
+def test_a_backend_without_paired_quantization_says_so_and_quantizes_separately(quantize_calls):
+    """``quantize_with_transpose`` is declared on ``GemmBackend``: its default refuses, and a layer
+    on such a backend quantizes ``x`` and ``x^T`` (``dy`` and ``dy^T``) in two calls."""
+    emulated = get_backend("emulated")
+    assert get_backend("scaled_mm").quantizes_with_transpose and not emulated.quantizes_with_transpose
+    spec = recipe_for("rowwise", GemmRole.FORWARD).a
+    with pytest.raises(NotImplementedError, match="emulated: quantize_with_transpose is not supported"):
+        emulated.quantize_with_transpose(torch.randn(8, 32), spec)
+    layer = LokaLinear(32, 16, kernels=kernels_for("emulated:rowwise", "all"))
+    layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    assert not any(call.endswith("+T") for call in quantize_calls)
+    assert quantize_calls.count("input") == 1 and quantize_calls.count("input^T") == 1
+    assert quantize_calls.count("grad_output") == 1 and quantize_calls.count("grad_output^T") == 1
 
 
 def test_paired_quantization_skipped_when_rows_need_padding(quantize_calls, monkeypatch):
@@ -375,7 +391,7 @@ def test_paired_quantization_skipped_when_rows_need_padding(quantize_calls, monk
 )
 def test_transposed_reuse_equals_direct_quantization(granularity, block, shape):
     w = torch.randn(*shape)
-    reused = _transpose_fp8(quantize(w, E4M3, granularity, block=block))
+    reused = transpose_fp8(quantize(w, E4M3, granularity, block=block))
     direct = quantize(w.t(), E4M3, granularity, block=block)
     assert torch.equal(reused.data.view(torch.uint8), direct.data.view(torch.uint8))
     assert torch.equal(reused.dequant_scale, direct.dequant_scale)

@@ -183,6 +183,20 @@ def test_errors_are_measured_with_the_consumers_forward_scaling(tmp_path):
     assert evidence["delayed"][fwd_rw] == evidence["current"][fwd_rw]
 
 
+def test_a_consumer_that_declares_nothing_of_its_training_gets_the_base_class_defaults(tmp_path):
+    """``grad_format``, ``times_in_graphs`` and ``forward_scaling`` are declared on
+    ``EvidenceConsumer``: a consumer that does not override them is timed with E4M3 gradients on
+    eager layers, and so is a Probe without a consumer."""
+    assert (EvidenceConsumer().grad_format, EvidenceConsumer().times_in_graphs) == ("e4m3", False)
+    for consumer in (FakeDispatch, None):
+        model = _mlp()
+        cb = probe(model, CFG, run_dir=str(tmp_path / str(consumer)), consumer=consumer and consumer({"fc1": model[0]}))
+        _train(model, cb, 4)
+        cb.close()
+        cache = cb._evaluator.speed_cache
+        assert cb.planned and cache.grad_format == "e4m3" and cache.device_time is False
+
+
 def _shifted(spike_step, kind):
     def data(step, x):
         if step == spike_step:
@@ -416,14 +430,14 @@ def test_valve_fractions_need_a_rise_beyond_sampling_noise():
 
 def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
     """summary.json: at the first report, the plan, a valve event, once the last rewrite is
-    ``_SUMMARY_INTERVAL_S`` old, and at close; not on every report."""
-    import loka_torchrec.probe.callback as callback_module
+    ``SUMMARY_INTERVAL_S`` old, and at close; not on every report."""
+    import loka_torchrec.probe.reports as reports_module
 
     writes = []
-    original = callback_module.write_json_atomic
-    monkeypatch.setattr(callback_module, "write_json_atomic", lambda path, obj: (writes.append(obj["step"]), original(path, obj)))
+    original = reports_module.write_json_atomic
+    monkeypatch.setattr(reports_module, "write_json_atomic", lambda path, obj: (writes.append(obj["step"]), original(path, obj)))
     clock = [1000.0]  # the callback's clock, moved by hand: one second per report
-    monkeypatch.setattr(callback_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(reports_module.time, "perf_counter", lambda: clock[0])
     model = _mlp()
     dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
     cfg = ProbeConfig(enabled=True, every=1, warmup_steps=2, every_after=1, monitor_budget=0.0, samples=2, speed_reps=1, max_rows_per_step=32)
@@ -436,7 +450,7 @@ def test_summary_is_rewritten_only_when_it_has_news(tmp_path, monkeypatch):
         cb.on_step_end(step)
         clock[0] += 1.0
         if step == 8:
-            clock[0] += callback_module._SUMMARY_INTERVAL_S  # the summary is now stale
+            clock[0] += reports_module.SUMMARY_INTERVAL_S  # the summary is now stale
     assert writes == [0, 1, 9]
     cb.close()
     assert writes == [0, 1, 9, 11] and read_summary(tmp_path / "probe" / "summary.json")[0]["planned"]
@@ -475,6 +489,29 @@ def test_state_dict_round_trip_resumes_a_planned_probe_without_replanning(tmp_pa
     with pytest.raises(ValueError, match="layers differ"):
         other.load_state_dict(state)
     other.close()
+
+
+def test_layer_status_is_an_enum_inside_and_a_string_in_checkpoints_and_logs(tmp_path):
+    """The layer's status is a :class:`LayerStatus`; its checkpoint and its log records hold the
+    plain string, and a checkpoint's string (any earlier one's too) loads back as the enum."""
+    from loka_torchrec.probe.layer_state import LayerStatus
+
+    model = _mlp()
+    cb = probe(model, CFG, run_dir=str(tmp_path / "a"), consumer=FakeDispatch({"fc1": model[0], "fc2": model[2]}))
+    _train(model, cb, 6)
+    cb.close()
+    assert cb.layer_state("fc1").state is LayerStatus.PLANNED
+    state = cb.state_dict()
+    assert type(state["layers"]["fc1"]["state"]) is str and state["layers"]["fc1"]["state"] == "planned"
+    records, _ = read_rank_log(tmp_path / "a" / "probe" / "rank0.jsonl")
+    assert {type(rec["state"]) for rec in records} == {str} and records[0]["state"] == "warmup"
+    resumed = probe(model, CFG, run_dir=str(tmp_path / "b"), consumer=FakeDispatch({"fc1": model[0], "fc2": model[2]}))
+    resumed.load_state_dict(state)
+    assert resumed.layer_state("fc1").state is LayerStatus.PLANNED
+    state["layers"]["fc2"]["state"] = "tripped"
+    with pytest.raises(ValueError, match="layer 'fc2' has state 'tripped'; expected one of warmup, planned, fallback"):
+        resumed.load_state_dict(state)
+    resumed.close()
 
 
 def test_a_model_without_convertible_layers_warns_once_and_runs_to_the_end(tmp_path, caplog):

@@ -123,6 +123,19 @@ def test_parameter_site_is_lokalinear_bitwise(layout):
     assert torch.equal(lin.weight.grad, grad_w)
 
 
+def test_a_sites_layout_is_an_enum_given_as_a_string():
+    """``layout`` takes the config's strings and holds a :class:`SiteLayout`; its repr shows the string."""
+    from loka_torchrec.dispatch.gemm_source import SiteLayout
+
+    owner = nn.Module()
+    owner.w = nn.Parameter(torch.randn(4, 8))
+    site = ParameterSite(owner, "w", layout="matmul")
+    assert site.layout is SiteLayout.MATMUL and "w, layout=matmul, in_features=4, out_features=8" in repr(site)
+    assert ParameterSite(owner, "w", layout=SiteLayout.LINEAR).layout is SiteLayout.LINEAR
+    with pytest.raises(ValueError, match="layout: expected 'linear' or 'matmul', got 'transposed'"):
+        ParameterSite(owner, "w", layout="transposed")
+
+
 def test_sites_keep_state_dict_keys_and_parameters():
     model = raw_hstu()
     keys, params = list(model.state_dict()), list(model.parameters())

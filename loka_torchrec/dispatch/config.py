@@ -86,7 +86,7 @@ class DispatchConfig:
             ``"current"`` (each tensor's own amax: the compiled step reads it twice, amax then
             cast). Gradients always use their current amax. The Probe's error evidence and the
             gradient check measure the scaling the layers use. See
-            :class:`~loka_torchrec.dispatch.linear.GemmSite`.
+            :class:`~loka_torchrec.dispatch.gemm_site.GemmSite`.
     """
 
     mode: str = "policy"

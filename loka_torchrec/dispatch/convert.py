@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from loka_torchrec.dispatch.config import DispatchConfig
-from loka_torchrec.dispatch.linear import GemmSite, LokaLinear
-from loka_torchrec.dispatch.gemm_source import LINEAR, parameter_use
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.dispatch.gemm_site import GemmSite
+from loka_torchrec.dispatch.gemm_source import LINEAR, SiteLayout, parameter_use
 from loka_torchrec.dispatch.sites import FAST_PATH_MODULES, ParameterSite, scope_module, scoped_sites
 from loka_torchrec.fp8 import Fp8Format
 
@@ -95,7 +96,7 @@ def _mha_unsupported(module: nn.MultiheadAttention) -> Optional[str]:
 
 def _site_layout(
     module: nn.Module, attr: str, param: torch.Tensor, pname: str, report: ConversionReport, *, entry: bool
-) -> Optional[str]:
+) -> Optional[SiteLayout]:
     """The orientation of a new site for ``module``'s Parameter ``param`` (``self.<attr>``, or an entry
     of that container: ``entry``), from how its code multiplies by it; ``None`` (and why, in
     ``report``, under ``pname``) if it is not to be a site."""

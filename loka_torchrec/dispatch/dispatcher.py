@@ -8,7 +8,12 @@ itself after ``plan_at_step`` training steps (:meth:`on_step_end`).
 
 All ranks run the identical plan: rank 0 decides and broadcasts, every rank applies, and the
 digests of what each rank actually runs are all-gathered and compared; a mismatch raises
-:class:`PlanMismatchError` naming the ranks.
+:class:`PlanMismatchError` naming the ranks (:mod:`~loka_torchrec.dispatch.plan_ranks`).
+
+Its parts live beside it: the candidates a configuration offers
+(:mod:`~loka_torchrec.dispatch.candidates`), which sites run and the share of the model they
+reach (:mod:`~loka_torchrec.dispatch.reach`), and what a resumed run's configuration can change
+(:mod:`~loka_torchrec.dispatch.resume`).
 
 What the layers run can differ from the plan (the safety valve, the step-time guard, a kernel that
 cannot run at a layer's shape): :meth:`Dispatcher.in_force` says what runs, and every count it
@@ -27,18 +32,20 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from loka_torchrec.atomic_files import write_text_atomic
-from loka_torchrec.gemm.backends import backend_names, get_backend
-from loka_torchrec.gemm.backends.base import BackendUnavailableError
+from loka_torchrec.dispatch.candidates import require_runnable, resolve_candidates
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.grad_check import check_plan_gradients
 from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.plan import DispatchPlan, InForce, LayerPlan, RoleDecision
+from loka_torchrec.dispatch.plan_ranks import PlanMismatchError, PlanRanks
 from loka_torchrec.dispatch.policy import decide, share_quantizations
+from loka_torchrec.dispatch.reach import SiteReach
+from loka_torchrec.dispatch.resume import overriding_field, warn_differing_fields
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
+from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans
 from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
@@ -46,67 +53,12 @@ from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, Ge
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.json_values import json_line
 
-__all__ = ["Dispatcher", "PlanMismatchError", "resolve_candidates"]
+__all__ = ["Dispatcher", "PlanMismatchError", "resolve_candidates"]  # the last two re-exported
 
 logger = logging.getLogger("loka_torchrec.dispatch")
 
 PLAN_FILE = "dispatch_plan.json"
 EVENTS_FILE = "dispatch_events.jsonl"
-
-_APPLY_AT_ONCE = ("mode", "plan_path", "step_guard_window", "step_guard_tolerance", "include", "exclude", "min_features")
-"""``DispatchConfig`` fields that a resumed run applies at once (``mode`` and ``plan_path`` are
-judged on their own; the layers were converted by this run's selection). The others shape a
-policy plan: a resumed run keeps the checkpoint's plan, and they apply from its next plan."""
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks ended up running different kernels."""
-
-
-def resolve_candidates(config: DispatchConfig, device: torch.device) -> List[KernelChoice]:
-    """The FP8 candidates of ``config`` that can run on ``device``.
-
-    ``"auto"`` expands to every recipe of every registered FP8 backend that is available here
-    and declares ``in_auto`` (``emulated`` and ``triton`` excluded: name them to use them). A candidate named explicitly that cannot run here raises
-    :class:`BackendUnavailableError` naming it and why, unless ``config.fallback == "bf16"``
-    (then it is dropped with a warning).
-    """
-    out: List[KernelChoice] = []
-    for name in config.candidates:
-        if name == "auto":
-            for backend_name in backend_names():
-                if backend_name in ("bf16", "emulated"):
-                    continue
-                backend = get_backend(backend_name)
-                if backend.in_auto and backend.availability(device).ok:
-                    out.extend(
-                        KernelChoice(backend_name, r) for r in backend.auto_recipes(device)
-                        if not config.compiled or backend.compile_reason(r) is None
-                    )
-            continue
-        choice = KernelChoice.parse(name, field="dispatch.candidates")
-        if _require(choice, config, device, field="dispatch.candidates"):
-            out.append(choice)
-    return sorted(set(out))
-
-
-def _require(choice: KernelChoice, config: DispatchConfig, device: torch.device, *, field: str) -> bool:
-    """Check that ``choice`` can run on ``device`` (compiled, with ``config.compiled``); raise or warn
-    per ``config.fallback``."""
-    backend = get_backend(choice.backend)  # ValueError naming the unknown backend
-    if choice.recipe not in backend.recipes:
-        raise ValueError(f"{field}: backend {choice.backend!r} has no recipe {choice.recipe!r}; it has {', '.join(backend.recipes)}")
-    available = backend.availability(device)
-    problem = None if available.ok else f"backend {choice.backend!r} is unavailable on {device}: {available.reason}"
-    if problem is None and config.compiled:
-        problem = backend.compile_reason(choice.recipe)
-    if problem is None:
-        return True
-    message = f"{field}: {problem}"
-    if config.fallback == "error":
-        raise BackendUnavailableError(message + " (set dispatch.fallback=bf16 to run such GEMMs in bf16 instead)")
-    logger.warning("%s; falling back to bf16 (dispatch.fallback=bf16)", message)
-    return False
 
 
 class Dispatcher(EvidenceConsumer):
@@ -132,12 +84,11 @@ class Dispatcher(EvidenceConsumer):
         unreached: Optional[Dict[str, int]] = None,
     ) -> None:
         self.config = config
-        self._unreached = dict(unreached or {})
-        self._never_ran: Dict[str, str] = {}
-        self._ran_checked = False
         self.run_dir = run_dir
         self.process_group = process_group
+        self._ranks = PlanRanks(process_group)
         self._layers = dict(layers)
+        self._reach = SiteReach(self._layers, unreached)
         self._grad_format = Fp8Format.parse(config.grad_format, field="dispatch.grad_format")
         self._fallen_back: Dict[str, str] = {}
         self._guard = StepTimeGuard(config.step_guard_window, config.step_guard_tolerance)
@@ -191,7 +142,7 @@ class Dispatcher(EvidenceConsumer):
             logger.info("dispatch: mode %s is static; ignoring %d evidence records from %s", self.config.mode, len(evidence), source)
             return
         plans = None
-        if self._rank() == 0:
+        if self._ranks.rank == 0:
             t0 = time.perf_counter()
             plan = decide(
                 evidence,
@@ -221,7 +172,7 @@ class Dispatcher(EvidenceConsumer):
             plans = [plan]
             if self._tries_plans():  # the compiled step judges the plans the layer check judged eagerly
                 plans = [p for _, p in candidate_plans(plan, gated)] or [plan]
-        plans = [self._annotated(p) for p in self._broadcast_plans(plans)]
+        plans = [self._annotated(p) for p in self._ranks.broadcast_plans(plans)]
         self._trials = None
         if len(plans) > 1:  # both candidates, the layer-checked one first
             self._trials = PlanTrials.of([(LAYER_CHECKED, plans[0]), (ACCURACY_GATED, plans[1])])
@@ -231,7 +182,7 @@ class Dispatcher(EvidenceConsumer):
         self._verify_identical()
         self._record({"event": "replan", "step": step, "source": source, "digest": plan.digest(), "summary": plan.summary(self.in_force())})
         self._save_plan()
-        if self._rank() == 0:
+        if self._ranks.rank == 0:
             logger.info("dispatch plan at step %d (evidence: %s):\n%s", step, source, plan.table(self.in_force()))
         self._announce(f"plan made at step {step} from {source} evidence")
 
@@ -272,14 +223,14 @@ class Dispatcher(EvidenceConsumer):
         )
         if self._trials is not None:  # what the broadest candidate may not run in FP8, none may
             self._trials.demote_like(target, plan)
-            self._trials.candidates = [self._annotated(p) for p in self._broadcast_plans(self._trials.candidates)]
+            self._trials.candidates = [self._annotated(p) for p in self._ranks.broadcast_plans(self._trials.candidates)]
             plan = self._trials.current()
-        plan = self._annotated(self._broadcast(plan))
+        plan = self._annotated(self._ranks.broadcast(plan))
         seconds = time.perf_counter() - start
         for record in records:
             self._record({"event": "grad_check", "step": step, **record, "check_seconds": seconds})
         demoted = sum(r["kind"] == "demote" for r in records)
-        if self._rank() == 0:
+        if self._ranks.rank == 0:
             logger.info("dispatch: gradient check at step %d took %.1f s (%d plan run(s), %d demotion(s))",
                         step, seconds, len(records) - demoted, demoted)  # fmt: skip
             self._say_noise_rule(records, step)
@@ -409,15 +360,8 @@ class Dispatcher(EvidenceConsumer):
 
     def _agree(self, verdict: GuardVerdict) -> GuardVerdict:
         """The verdict every rank takes: medians all-reduced with max (the slowest rank counts)."""
-        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
-            return verdict
         device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
-        if dist.get_backend(self.process_group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        medians = torch.tensor([verdict.bf16_ms, verdict.fp8_ms], dtype=torch.float64, device=device)
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
-        bf16_ms, fp8_ms = medians.tolist()
-        return GuardVerdict(verdict.step, bf16_ms, fp8_ms, keep_fp8=fp8_ms <= bf16_ms * (1.0 + self._guard.tolerance))
+        return self._ranks.agree(verdict, device, self._guard.tolerance)
 
     # ------------------------------------------------------------------ training-loop hook
     def on_step_end(self, step: int, *, ran_eagerly: bool = True) -> None:
@@ -438,7 +382,7 @@ class Dispatcher(EvidenceConsumer):
 
     def measure_random(self, *, seed: int = 0) -> List[CandidateEvidence]:
         """Random-input evidence for every layer at the row counts seen so far (rank 0 only does the work)."""
-        if self._rank() != 0:
+        if self._ranks.rank != 0:
             return []
         rows = {name: int(getattr(m, "last_rows", 0) or 0) for name, m in self._layers.items()}
         candidates = {name: self.candidates(name) for name in self._layers}
@@ -468,7 +412,7 @@ class Dispatcher(EvidenceConsumer):
         kernels: Dict[str, LayerKernels] = {}
         held: Dict[str, Tuple[str, str]] = {}
         for name, module in self._layers.items():
-            if name in self._never_ran:
+            if name in self._reach.never_ran:
                 continue
             running = module.kernels
             for role in module.fallback_reasons:
@@ -492,7 +436,7 @@ class Dispatcher(EvidenceConsumer):
     def _announce(self, what: str) -> None:
         """Rank 0: one line at warning level for a plan, safety-valve or step-time-guard event, with
         the GEMMs planned in FP8 and in force (a job that logs at WARNING sees it)."""
-        if self._rank() != 0:
+        if self._ranks.rank != 0:
             return
         now = self.in_force()
         total = sum(self.plan.counts().values())
@@ -546,10 +490,9 @@ class Dispatcher(EvidenceConsumer):
         if problem:
             raise ValueError(f"dispatch state: the checkpoint is of another model ({problem}); resume from a checkpoint of this model")
         saved_config = state.get("config") or {}
-        self._never_ran = dict(saved.never_ran)
-        self._ran_checked = bool(saved.coverage.get("ran_checked", False))
+        self._reach.restore(saved)
         self.events = list(state.get("events", []))
-        override = self._overriding_field(saved, saved_config)
+        override = overriding_field(self.config, self.plan, saved, saved_config)
         if override is None:
             self.plan = saved
             self._fallen_back = dict(state.get("fallen_back", {}))
@@ -557,11 +500,12 @@ class Dispatcher(EvidenceConsumer):
             if "guard" in state:
                 self._guard.load_state_dict(state["guard"])
             self._trials = None if state.get("trials") is None else PlanTrials.from_dict(state["trials"])
-            self._warn_differing_fields(saved, saved_config)
+            if self._ranks.rank == 0:
+                warn_differing_fields(self.config, saved, saved_config)
         else:
             self.plan = self._annotated(self.plan)
             self._fallen_back, self.step_guard_reason = {}, None
-            if self._rank() == 0:
+            if self._ranks.rank == 0:
                 logger.warning(
                     "dispatch.%s: the checkpoint ran %s (%d FP8 GEMM(s) planned), this run has %s: this run's plan "
                     "runs; the checkpoint's plan, safety-valve holds and step-time guard verdict are not restored",
@@ -570,85 +514,33 @@ class Dispatcher(EvidenceConsumer):
             self._record({"event": "resume_override", "field": override, "checkpoint_digest": saved.digest(), "digest": self.plan.digest()})
         self._apply(self.plan)
         self._verify_identical()
-        if self.run_dir and self._rank() == 0:
+        if self.run_dir and self._ranks.rank == 0:
             write_text_atomic(os.path.join(self.run_dir, EVENTS_FILE), "".join(json_line(e) + "\n" for e in self.events))
         self._save_plan()
         self._announce(f"plan restored from the checkpoint (made at step {self.plan.step}, mode {self.plan.mode})")
-
-    def _overriding_field(self, saved: DispatchPlan, saved_config: Mapping[str, Any]) -> Optional[str]:
-        """The field (``mode`` or ``plan_path``) by which this run's static or pinned mode gives
-        another plan than the checkpoint's, else ``None`` (the checkpoint's plan is restored)."""
-        if self.config.mode == "policy" or saved.digest() == self.plan.digest():
-            return None
-        if saved_config.get("mode", saved.mode) == self.config.mode and self.config.mode == "pinned":
-            return "plan_path"
-        return "mode"
-
-    def _warn_differing_fields(self, saved: DispatchPlan, saved_config: Mapping[str, Any]) -> None:
-        """Resume under ``policy``: warn about what this run's configuration cannot change now."""
-        if self._rank() != 0 or self.config.mode != "policy":
-            return
-        saved_mode = saved_config.get("mode", saved.mode)
-        if saved_mode != "policy":
-            logger.warning(
-                "dispatch.mode: the checkpoint ran %s, this run has policy: a resumed run does not plan again, so the "
-                "checkpoint's plan runs on (%d FP8 GEMM(s) planned); start a new run to plan under policy",
-                saved_mode, saved.fp8_gemm_count(),
-            )  # fmt: skip
-            return
-        mine = dataclasses.asdict(self.config)
-        differ = [
-            f"{name}={_plain(mine[name])!r} (checkpoint: {_plain(value)!r})"
-            for name, value in sorted(saved_config.items())
-            if name in mine and name not in _APPLY_AT_ONCE and _plain(value) != _plain(mine[name])
-        ]
-        if differ:
-            logger.warning(
-                "dispatch: this run's %s differ from the checkpoint's: its plan (made at step %d) runs on, and they apply "
-                "from the next plan", ", ".join(differ), saved.step,
-            )  # fmt: skip
 
     # ------------------------------------------------------------------ reach
     @property
     def never_ran(self) -> Dict[str, str]:
         """Managed sites that did not run in the first eager training step(s), with why."""
-        return dict(self._never_ran)
+        return dict(self._reach.never_ran)
 
     def _check_ran(self, step: int) -> None:
-        # Called after an eager step only: compiled calls do not update last_rows, so a site that ran
-        # compiled would look as if it never ran (a step where only the sites outside the compiled
-        # modules ran eagerly must not decide). A step in which no site ran at all decides nothing.
-        if self._ran_checked or not any(int(getattr(m, "last_rows", 0) or 0) for m in self._layers.values()):
+        """After an eager step: the sites that did not run in the first one are never-ran (once)."""
+        if not self._reach.check_ran():
             return
-        self._ran_checked = True
-        for name, module in self._layers.items():
-            if not int(getattr(module, "last_rows", 0) or 0):
-                self._never_ran[name] = _never_ran_reason(module)
+        never_ran = self._reach.never_ran
         self.plan = self._annotated(self.plan)
-        if self._never_ran:
-            self._record({"event": "never_ran", "step": step, "layers": dict(self._never_ran)})
-            if self._rank() == 0:
-                for name, reason in sorted(self._never_ran.items()):
+        if never_ran:
+            self._record({"event": "never_ran", "step": step, "layers": dict(never_ran)})
+            if self._ranks.rank == 0:
+                for name, reason in sorted(never_ran.items()):
                     logger.warning("dispatch: converted site %s never ran by step %d: %s", name, step, reason)
         self._save_plan()
 
     def _annotated(self, plan: DispatchPlan) -> DispatchPlan:
         """``plan`` with this run's never-ran sites and coverage."""
-        managed = sum(m.in_features * m.out_features for n, m in self._layers.items() if n not in self._never_ran)
-        unreached = dict(self._unreached)
-        for name, reason in self._never_ran.items():
-            if not reason.startswith("not a GEMM operand"):
-                module = self._layers[name]
-                unreached[name] = module.in_features * module.out_features
-        total = managed + sum(unreached.values())
-        coverage = {
-            "managed_macs_per_row": managed,
-            "total_macs_per_row": total,
-            "share": round(managed / total, 4) if total else 1.0,
-            "ran_checked": self._ran_checked,
-            "unreached": dict(sorted(unreached.items())),
-        }
-        return dataclasses.replace(plan, never_ran=dict(self._never_ran), coverage=coverage)
+        return self._reach.annotated(plan)
 
     # ------------------------------------------------------------------ internals
     def _initial_plan(self) -> DispatchPlan:
@@ -663,11 +555,11 @@ class Dispatcher(EvidenceConsumer):
             for name, layer_plan in plan.layers.items():
                 for role, decision in layer_plan.roles.items():
                     if not decision.choice.is_high_precision:
-                        _require(decision.choice, cfg, device, field=f"dispatch.plan_path ({name} {role.value})")
+                        require_runnable(decision.choice, cfg, device, field=f"dispatch.plan_path ({name} {role.value})")
             return plan
         static = cfg.static_choice
         if static is not None and not static.is_high_precision:
-            if not _require(static, cfg, device, field="dispatch.mode"):
+            if not require_runnable(static, cfg, device, field="dispatch.mode"):
                 static = BF16
         choice, reason = (static, f"static mode {cfg.mode}") if static is not None else (BF16, "not planned yet: bf16 until evidence arrives")
         layers = {}
@@ -707,29 +599,6 @@ class Dispatcher(EvidenceConsumer):
         device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
         return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    def _rank(self) -> int:
-        return dist.get_rank(self.process_group) if self._distributed() else 0
-
-    def _broadcast_plans(self, plans: Optional[List[DispatchPlan]]) -> List[DispatchPlan]:
-        """Rank 0's list of plans, on every rank."""
-        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
-            return list(plans)
-        payload = [[p.to_dict() for p in plans] if plans is not None else None]
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        dist.broadcast_object_list(payload, src=src, group=self.process_group)
-        return [DispatchPlan.from_dict(p) for p in payload[0]]
-
-    def _broadcast(self, plan: Optional[DispatchPlan]) -> DispatchPlan:
-        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
-            return plan
-        payload = [plan.to_dict() if plan is not None else None]
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        dist.broadcast_object_list(payload, src=src, group=self.process_group)
-        return DispatchPlan.from_dict(payload[0])
-
     def running_digest(self) -> str:
         """Digest of the kernels this rank's layers actually run now."""
         running = DispatchPlan(
@@ -744,18 +613,11 @@ class Dispatcher(EvidenceConsumer):
         return running.digest()
 
     def _verify_identical(self) -> None:
-        if not self._distributed() or dist.get_world_size(self.process_group) == 1:
-            return
-        mine = self.running_digest()
-        gathered: List[Optional[str]] = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(gathered, mine, group=self.process_group)
-        if len(set(gathered)) != 1:
-            detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(gathered))
-            raise PlanMismatchError(f"ranks run different dispatch plans ({detail})")
+        self._ranks.verify_identical(self.running_digest())
 
     def _record(self, event: dict) -> None:
         self.events.append(event)
-        if self.run_dir and self._rank() == 0:
+        if self.run_dir and self._ranks.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
                 f.write(json_line(event) + "\n")  # strict JSON: an infinite SQNR is written "inf"
@@ -763,7 +625,7 @@ class Dispatcher(EvidenceConsumer):
 
     def _save_plan(self) -> None:
         """Rank 0 writes the plan with what runs now (its ``in_force`` section)."""
-        if self.run_dir and self._rank() == 0:
+        if self.run_dir and self._ranks.rank == 0:
             self.plan.save(os.path.join(self.run_dir, PLAN_FILE), self.in_force())
 
     def start(self) -> None:
@@ -783,18 +645,3 @@ class Dispatcher(EvidenceConsumer):
         else:
             self._announce(f"{self.config.mode} plan in place" + (f" from {self.config.plan_path}" if self.config.mode == "pinned" else ""))
 
-
-def _plain(value: Any) -> Any:
-    """A configuration value as a checkpoint holds it: sequences as lists."""
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def _never_ran_reason(module: torch.nn.Module) -> str:
-    """Why a managed site has not run: what its scope saw of its Parameter, if anything."""
-    other = dict(getattr(module, "other_uses", {}) or {})
-    calls = dict(getattr(module, "unreached_calls", {}) or {})
-    if calls:
-        return "its GEMMs ran in high precision: " + "; ".join(f"{k}: {v}" for k, v in sorted(calls.items()))
-    if other:
-        return "not a GEMM operand: its Parameter is read by " + ", ".join(sorted(other))
-    return "not called in a training step (its weight is read elsewhere, or a fused path bypasses it)"

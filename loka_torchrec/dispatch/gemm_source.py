@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import enum
 import functools
 import inspect
 import re
@@ -40,9 +41,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LINEAR", "MATMUL", "MAX_CALL_DEPTH", "ParameterUse", "einsum_layout", "parameter_use"]
+__all__ = ["LINEAR", "MATMUL", "MAX_CALL_DEPTH", "ParameterUse", "SiteLayout", "einsum_layout", "parameter_use"]
 
-LINEAR, MATMUL = "linear", "matmul"
+
+class SiteLayout(str, enum.Enum):
+    """How a GEMM reads its weight operand ``P``."""
+
+    LINEAR = "linear"  # (out, in), as in F.linear(x, P)
+    MATMUL = "matmul"  # (in, out), as in x @ P
+
+
+LINEAR, MATMUL = SiteLayout.LINEAR, SiteLayout.MATMUL
 MAX_CALL_DEPTH = 4
 """How many calls deep a Parameter passed as an argument is followed."""
 
@@ -54,7 +63,7 @@ _VIEWS = frozenset({
 _EINSUM = re.compile(r"^\s*([a-zA-Z.]+)\s*,\s*([a-zA-Z]{2})\s*->\s*([a-zA-Z.]+)\s*$")
 
 
-def einsum_layout(equation: str) -> Optional[str]:
+def einsum_layout(equation: str) -> Optional[SiteLayout]:
     """The weight's orientation in a two-operand ``einsum`` that projects the last dim of its first
     operand by a 2-D second operand (``"...k,kn->...n"``: ``"matmul"``; ``"...k,nk->...n"``:
     ``"linear"``), or ``None`` for any other equation.
@@ -62,7 +71,7 @@ def einsum_layout(equation: str) -> Optional[str]:
     Example::
 
         >>> einsum_layout("bsk,kn->bsn"), einsum_layout("bk,nk->bn"), einsum_layout("ij,jk->ki")
-        ('matmul', 'linear', None)
+        (<SiteLayout.MATMUL: 'matmul'>, <SiteLayout.LINEAR: 'linear'>, None)
     """
     match = _EINSUM.match(equation)
     if match is None:
@@ -78,19 +87,19 @@ class ParameterUse:
     """What a module's code does with one of its Parameters.
 
     Attributes:
-        layouts: the orientation of each GEMM found on it (``"linear"``/``"matmul"``).
+        layouts: the orientation of each GEMM found on it (:class:`SiteLayout`).
         unresolved: the calls it is passed to whose GEMM, if any, could not be found statically.
         transformed: the GEMMs on a view or cast of it (``P.t()``, ``P.to(dtype)``).
         readable: whether the owner's source could be read at all.
     """
 
-    layouts: Tuple[str, ...] = ()
+    layouts: Tuple[SiteLayout, ...] = ()
     unresolved: Tuple[str, ...] = ()
     transformed: Tuple[str, ...] = ()
     readable: bool = True
 
     @property
-    def layout(self) -> Optional[str]:
+    def layout(self) -> Optional[SiteLayout]:
         """The orientation most GEMMs on it have (``"linear"`` on a tie), ``None`` if none was found."""
         if not self.layouts:
             return None
@@ -118,7 +127,7 @@ def parameter_use(owner: nn.Module, attr: str, *, entry: bool = False) -> Parame
         >>> from torchrec.modules.crossnet import LowRankCrossNet  # F.linear(x_l, self.V_kernels[layer])
         >>> net = LowRankCrossNet(in_features=8, num_layers=1, low_rank=2)
         >>> parameter_use(net, "V_kernels", entry=True).layout, parameter_use(net, "bias", entry=True).layout
-        ('linear', None)
+        (<SiteLayout.LINEAR: 'linear'>, None)
     """
     use, readable, defined = ParameterUse(), False, set()
     for cls in type(owner).__mro__:
@@ -305,14 +314,16 @@ class _Reader:
             if layout == _UNKNOWN:
                 return ParameterUse(unresolved=(f"{text} (an equation computed at run time)",))
             if layout is not None:
-                return ParameterUse(layouts=(layout,)) if layout in (LINEAR, MATMUL) else ParameterUse()
+                return ParameterUse(layouts=(layout,)) if isinstance(layout, SiteLayout) else ParameterUse()
         if target is _MISSING:
             return ParameterUse(unresolved=(f"{text} (not resolvable from the source)",))
         if _is_torch(target) and not isinstance(target, nn.Module):
             return ParameterUse()  # a torch function that is not a GEMM
         return self._follow(target, position, keyword, text, entry)
 
-    def _gemm_layout(self, call: ast.Call, target: Any, position: Optional[int], keyword: Optional[str]) -> Optional[str]:
+    def _gemm_layout(
+        self, call: ast.Call, target: Any, position: Optional[int], keyword: Optional[str]
+    ) -> "SiteLayout | str | None":
         """The orientation if ``call`` is a GEMM with the Parameter as its weight operand;
         ``_NOT_A_SITE`` if it is a GEMM or a Tensor method with the Parameter elsewhere;
         ``_UNKNOWN`` for an ``einsum`` whose equation is not in the source; else ``None``."""

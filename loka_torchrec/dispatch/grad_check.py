@@ -40,7 +40,7 @@ be deterministic (fixed batch, no dropout): every run must see the same model an
 
 The check runs the model eagerly. For a model that trains compiled (``compiled=True``) the sites
 scale their forward operands as their compiled calls will
-(:func:`~loka_torchrec.dispatch.linear.compiled_scaling`: delayed scaling by each site's amax
+(:func:`~loka_torchrec.dispatch.gemm_site.compiled_scaling`: delayed scaling by each site's amax
 history, where it is set), so the check judges the scales that training uses.
 """
 
@@ -54,7 +54,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.linear import compiled_scaling
+from loka_torchrec.dispatch.gemm_site import compiled_scaling
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
 from loka_torchrec.evidence import BF16, GemmRole
 from loka_torchrec.fp8.error_metrics import noise_and_signal, sqnr_from_sums

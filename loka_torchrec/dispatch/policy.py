@@ -23,7 +23,7 @@ pick the accumulation at random.
 **Compiled jobs share quantizations** (:func:`share_quantizations`): a layer whose three GEMMs use
 tensorwise operands of one backend quantizes each tensor once, the forward's FP8 ``x`` and ``W``
 serving grad-weight and grad-input transposed and grad-input's FP8 ``dy`` serving grad-weight
-(:mod:`loka_torchrec.dispatch.linear`); Inductor fuses those casts into their producers. A
+(:mod:`loka_torchrec.dispatch.gemm_function`); Inductor fuses those casts into their producers. A
 grad-weight on rowwise operands quantizes ``x`` and ``dy`` again along the other axis. Per-GEMM
 evidence charges each candidate its own quantization and cannot see that saving, so in a compiled
 job grad-input and grad-weight take the forward's tensorwise backend where one of its candidates

@@ -18,7 +18,7 @@ sites around scaled-dot-product attention. Why this and not the alternatives:
 * it sees the call whatever the user wrote (a method, ``functools.partial``, a helper function),
   where a module-adapter registry needs one hand-written adapter per model class;
 * Dynamo traces a torch-function mode entered inside the compiled region, so the site is one
-  ``_LokaLinearFunction.apply`` in the same graph as under ``LokaLinear`` (``fullgraph=True``, no
+  ``LokaLinearFunction.apply`` in the same graph as under ``LokaLinear`` (``fullgraph=True``, no
   graph break, tested); an FX pass would need the user's model to trace symbolically (HSTU's
   jagged, data-dependent shapes do not) and a second representation of the model;
 * it changes no Parameter and no ``state_dict`` key: a site holds a reference to its owner's
@@ -32,9 +32,9 @@ sites around scaled-dot-product attention. Why this and not the alternatives:
   ``use_nested_tensor`` is set to ``False`` (the check its nested-tensor path makes first):
   compiled eval/no_grad runs the sites too.
 
-A :class:`ParameterSite` is a :class:`~loka_torchrec.dispatch.linear.GemmSite`, the base of
+A :class:`ParameterSite` is a :class:`~loka_torchrec.dispatch.gemm_site.GemmSite`, the base of
 ``LokaLinear``: the same three role kernels, plan, evidence, Probe hooks (the mode calls the site
-as a module) and ``_LokaLinearFunction``; there is no second GEMM path. ``nn.Linear`` layers stay
+as a module) and ``LokaLinearFunction``; there is no second GEMM path. ``nn.Linear`` layers stay
 ``LokaLinear`` modules (they are called as modules, the cheapest reach); the one ``nn.Linear``
 PyTorch never calls, MultiheadAttention's ``out_proj``, is reached by the attention handler.
 
@@ -66,9 +66,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from loka_torchrec.dispatch.gemm_source import LINEAR, MATMUL, einsum_layout
+from loka_torchrec.dispatch.gemm_source import LINEAR, MATMUL, SiteLayout, einsum_layout
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.linear import GemmSite, LokaLinear, compiling
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.dispatch.gemm_site import GemmSite, compiling
 from loka_torchrec.fp8 import Fp8Format
 
 __all__ = ["ParameterSite", "SiteMode", "scope_module", "FAST_PATH_MODULES"]
@@ -112,14 +113,16 @@ class ParameterSite(GemmSite):
         holder: nn.Module,
         param_name: str,
         *,
-        layout: str = LINEAR,
+        layout: "SiteLayout | str" = LINEAR,
         kernels: LayerKernels = LayerKernels(),
         grad_format: Fp8Format = Fp8Format.E4M3,
         forward_scaling: str = "current",
     ) -> None:
         super().__init__()
-        if layout not in (LINEAR, MATMUL):
-            raise ValueError(f"layout: expected 'linear' or 'matmul', got {layout!r}")
+        try:
+            layout = SiteLayout(layout)
+        except ValueError:
+            raise ValueError(f"layout: expected 'linear' or 'matmul', got {layout!r}") from None
         param = holder._parameters.get(param_name)
         if param is None or param.dim() != 2:
             raise ValueError(f"param_name: {param_name!r} is not a 2-D Parameter of {type(holder).__name__}")
@@ -135,7 +138,7 @@ class ParameterSite(GemmSite):
         self._init_dispatch(kernels, grad_format, param.device, forward_scaling)
 
     @staticmethod
-    def _dims(param: torch.Tensor, layout: str) -> Tuple[int, int]:
+    def _dims(param: torch.Tensor, layout: SiteLayout) -> Tuple[int, int]:
         rows, cols = int(param.shape[0]), int(param.shape[1])
         return (rows, cols) if layout == LINEAR else (cols, rows)
 
@@ -150,13 +153,13 @@ class ParameterSite(GemmSite):
         param = self.operand
         return param if self.layout == LINEAR else param.t()
 
-    def reorient(self, layout: str) -> bool:
+    def reorient(self, layout: SiteLayout) -> bool:
         """Take ``layout`` if the site never ran yet (eager only); whether it now has it."""
         if layout == self.layout:
             return True
         if compiling() or self.last_rows:
             return False
-        logger.info("dispatch: site %s is multiplied as %s, not %s: reoriented", self.path, layout, self.layout)
+        logger.info("dispatch: site %s is multiplied as %s, not %s: reoriented", self.path, layout.value, self.layout.value)
         self.layout = layout
         self.out_features, self.in_features = self._dims(self.operand, layout)
         self.set_kernels(self.kernels)
@@ -175,7 +178,7 @@ class ParameterSite(GemmSite):
         return self._site_forward(input, self.weight, bias)
 
     def _shape_repr(self) -> str:
-        return f"{self.path}, layout={self.layout}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.path}, layout={self.layout.value}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 # ------------------------------------------------------------------------------------- handlers
@@ -200,12 +203,12 @@ def _note(site: GemmSite, key: str, reason: str) -> None:
         logger.warning("dispatch: %s: %s runs in high precision: %s", site.path, key, reason)
 
 
-def _oriented(site: GemmSite, layout: str, key: str) -> bool:
+def _oriented(site: GemmSite, layout: SiteLayout, key: str) -> bool:
     ok = site.layout == layout if isinstance(site, ParameterSite) and compiling() else (
         site.reorient(layout) if isinstance(site, ParameterSite) else layout == LINEAR
     )
     if not ok:
-        _note(site, key, f"multiplied as {layout} but the site is {getattr(site, 'layout', LINEAR)}")
+        _note(site, key, f"multiplied as {layout.value} but the site is {getattr(site, 'layout', LINEAR).value}")
     return ok
 
 

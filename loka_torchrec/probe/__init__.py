@@ -18,7 +18,9 @@ from typing import Any, Mapping, Optional
 from torch import nn
 
 from loka_torchrec.evidence import EvidenceConsumer
-from loka_torchrec.probe.callback import ProbeCallback, canonical_fqn, default_candidates
+from loka_torchrec.probe.callback import ProbeCallback
+from loka_torchrec.probe.evidence_rounds import default_candidates
+from loka_torchrec.probe.hooks import canonical_fqn
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.merge import all_reduce_statistics
 from loka_torchrec.probe.quantify import quantify_errors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional
 
@@ -15,7 +16,7 @@ from loka_torchrec.probe.reservoir import RowReservoir
 from loka_torchrec.probe.statistics import TensorStatistics
 from loka_torchrec.probe.weight_statistics import WeightStatistics
 
-__all__ = ["LayerState", "linear_shape"]
+__all__ = ["LayerState", "LayerStatus", "linear_shape"]
 
 
 def linear_shape(name: str, module: nn.Module) -> "tuple[int, int]":
@@ -28,12 +29,16 @@ def linear_shape(name: str, module: nn.Module) -> "tuple[int, int]":
     return int(weight.shape[0]), int(weight.shape[1])
 
 
-class LayerState:
-    """Statistics, reservoir, history and safety-valve state of one layer.
+class LayerStatus(str, enum.Enum):
+    """Where a layer is in the Probe's life cycle (its value is what the logs and checkpoints hold)."""
 
-    States: ``"warmup"`` (collecting, no plan yet), ``"planned"`` (Dispatch decided from the
-    evidence; monitored), ``"fallback"`` (tripped: bf16 until re-evaluated).
-    """
+    WARMUP = "warmup"  # collecting, no plan yet
+    PLANNED = "planned"  # Dispatch decided from the evidence; monitored
+    FALLBACK = "fallback"  # tripped the safety valve: bf16 until re-evaluated
+
+
+class LayerState:
+    """Statistics, reservoir, history and safety-valve status of one layer (:class:`LayerStatus`)."""
 
     def __init__(self, name: str, module: nn.Module, config: ProbeConfig) -> None:
         self.name = name
@@ -54,7 +59,7 @@ class LayerState:
         self.recovery_act: Optional[TensorStatistics] = None  # merged statistics since a trip
         self.recovery_grad: Optional[TensorStatistics] = None
         self.rows = 0  # most rows per call over all ranks: the forward GEMM's M
-        self.state = "warmup"
+        self.state = LayerStatus.WARMUP
         self.clean_windows = 0
         self.reason = ""
         self.evidence: List[CandidateEvidence] = []
@@ -68,7 +73,7 @@ class LayerState:
     @property
     def collect_moments(self) -> bool:
         """Mean, covariance, weight factors and reservoir rows are needed before a plan and while recovering."""
-        return self.state != "planned"
+        return self.state is not LayerStatus.PLANNED
 
     def reset_reservoir(self) -> None:
         """Forget the captured rows (after a shift they describe the old distribution)."""

@@ -19,6 +19,7 @@ Ranks must pass statistics of the same dims in the same order (the callback sort
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -27,11 +28,36 @@ import torch.distributed as dist
 
 from loka_torchrec.probe.statistics import TensorStatistics
 
-__all__ = ["all_reduce_statistics", "rank_deviation", "is_distributed", "comm_device"]
+__all__ = ["Ranks", "all_reduce_statistics", "rank_deviation", "is_distributed", "comm_device"]
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The ranks the Probe works with: its process group (``None``: the world), this rank and their number."""
+
+    group: Optional[Any] = None
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, group: Optional[Any] = None) -> "Ranks":
+        """``group``'s ranks (one rank of one where no process group is initialized)."""
+        if not is_distributed(group):
+            return cls(group)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a collective; any picklable object)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
 
 
 def comm_device(group: Optional[Any] = None) -> torch.device:

@@ -39,6 +39,8 @@ class GemmBackend(abc.ABC):
     A backend quantizes operands (:meth:`quantize`, returning whatever operand type its GEMM
     wants) and multiplies them (:meth:`mm`). The two are separate so that a caller can quantize
     a weight once per step and reuse it, and keep a saved activation in the backend's format.
+    Optional abilities are methods here whose default says "not supported"
+    (:meth:`quantize_with_transpose`, with :attr:`quantizes_with_transpose`).
 
     Class attributes a backend declares:
         name: registry name, e.g. ``"scaled_mm"``.
@@ -137,6 +139,25 @@ class GemmBackend(abc.ABC):
     @abc.abstractmethod
     def mm(self, a: Any, b: Any, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
         """``A @ B^T`` of two operands from :meth:`quantize`; returns ``(M, N)`` in ``out_dtype``."""
+
+    # ----------------------------------------------------------------------------- optional
+    @property
+    def quantizes_with_transpose(self) -> bool:
+        """Whether this backend implements :meth:`quantize_with_transpose` (it overrides it)."""
+        return type(self).quantize_with_transpose is not GemmBackend.quantize_with_transpose
+
+    def quantize_with_transpose(self, t: torch.Tensor, spec: OperandSpec, *, name: str = "operand") -> Tuple[Any, Any]:
+        """``t`` (rows, K) and ``t^T`` (K, rows) as two operands of ``spec`` (tensorwise or rowwise),
+        from one read of ``t``.
+
+        Optional: ``LokaLinear`` calls it eagerly, where one backend quantizes ``x`` for the forward
+        GEMM and ``x^T`` for grad-weight (or ``dy`` and ``dy^T``) with the same spec, and only where
+        :attr:`quantizes_with_transpose` says so; otherwise it quantizes the two separately.
+
+        Raises:
+            NotImplementedError: this backend does not support it (the default).
+        """
+        raise NotImplementedError(f"{self.name}: quantize_with_transpose is not supported; quantize t and t.t() separately")
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, recipe: GemmRecipe, out_dtype: torch.dtype) -> torch.Tensor:
         """Quantize both high-precision operands and multiply: ``A (M, K) @ B (N, K)^T``."""

@@ -6,10 +6,10 @@ an optional bias and an activation in its epilogue. Recipes ``tensorwise`` and `
 and E5M2 operands (mixed allowed); any shape (the kernels mask their edges, so there is no
 alignment constraint); CUDA GPUs of compute capability 8.9 and newer.
 
-Besides the :class:`~loka_torchrec.gemm.backends.base.GemmBackend` interface it offers
-:meth:`TritonBackend.quantize_with_transpose`, which writes an activation and its transpose (the
-``B`` operand of the grad-weight GEMM) from one read, and ``bias`` / ``activation`` arguments to
-:meth:`TritonBackend.mm` for a fused epilogue.
+Of the :class:`~loka_torchrec.gemm.backends.base.GemmBackend` interface's optional methods it
+implements :meth:`TritonBackend.quantize_with_transpose`, which writes an activation and its
+transpose (the ``B`` operand of the grad-weight GEMM) from one read; it also takes ``bias`` /
+``activation`` arguments to :meth:`TritonBackend.mm` for a fused epilogue.
 """
 
 from __future__ import annotations
