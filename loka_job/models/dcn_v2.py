@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from loka_job.models.options import config_from_options, int_tuple, pooled_token_tables, positive_int
+from loka_job.models.click_model import TablesThenOverArch
 from loka_job.training.data_spec import DataSpec
 
 __all__ = ["CROSS_KINDS", "STRUCTURES", "DcnV2Config", "DcnV2OverArch", "DcnV2", "build_dcn_v2"]
@@ -161,22 +162,11 @@ class DcnV2OverArch(nn.Module):
         return self.logit(torch.cat([self.cross(x0), self.deep(x0)], dim=1)).squeeze(-1)
 
 
-class DcnV2(nn.Module):
+class DcnV2(TablesThenOverArch):
     """The DCN-V2 click model: ``(dense (B, num_dense), sparse KJT) -> logits (B,)``.
 
     Build it with :func:`build_dcn_v2`.
     """
-
-    def __init__(self, embedding_bag_collection: nn.Module, feature_names: Sequence[str], num_dense: int,
-                 config: DcnV2Config, device: Optional[torch.device] = None) -> None:  # fmt: skip
-        super().__init__()
-        self.config = config
-        self.embedding_bag_collection = embedding_bag_collection
-        self.over_arch = DcnV2OverArch(feature_names, num_dense, config, device)
-
-    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
-        """Click logits ``(B,)`` from ``dense_features (B, num_dense)`` and the sparse ``KeyedJaggedTensor``."""
-        return self.over_arch(dense_features, self.embedding_bag_collection(sparse_features))
 
 
 def build_dcn_v2(
@@ -205,4 +195,4 @@ def build_dcn_v2(
     if not isinstance(config, DcnV2Config):
         raise TypeError(f"config must be a DcnV2Config, got {type(config).__name__}")
     ebc = pooled_token_tables(spec, config.embedding_dim, "DcnV2Config", "DCNv2", embedding_device)
-    return DcnV2(ebc, [t.feature for t in spec.pooled_tables], spec.num_dense, config, device)
+    return DcnV2(ebc, DcnV2OverArch([t.feature for t in spec.pooled_tables], spec.num_dense, config, device), config)

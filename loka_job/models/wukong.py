@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from loka_job.models.options import config_from_options, int_tuple, pooled_token_tables, positive_int
+from loka_job.models.click_model import TablesThenOverArch
 from loka_job.training.data_spec import DataSpec
 
 __all__ = ["WukongConfig", "WukongLayer", "WukongOverArch", "Wukong", "build_wukong"]
@@ -221,22 +222,11 @@ class WukongOverArch(nn.Module):
         return self.head(x.flatten(1)).squeeze(-1)
 
 
-class Wukong(nn.Module):
+class Wukong(TablesThenOverArch):
     """The Wukong-style click model: ``(dense (B, num_dense), sparse KJT) -> logits (B,)``.
 
     Build it with :func:`build_wukong`.
     """
-
-    def __init__(self, embedding_bag_collection: nn.Module, feature_names: Sequence[str], num_dense: int,
-                 config: WukongConfig, device: Optional[torch.device] = None) -> None:  # fmt: skip
-        super().__init__()
-        self.config = config
-        self.embedding_bag_collection = embedding_bag_collection
-        self.over_arch = WukongOverArch(feature_names, num_dense, config, device)
-
-    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
-        """Click logits ``(B,)`` from ``dense_features (B, num_dense)`` and the sparse ``KeyedJaggedTensor``."""
-        return self.over_arch(dense_features, self.embedding_bag_collection(sparse_features))
 
 
 def build_wukong(
@@ -265,4 +255,4 @@ def build_wukong(
     if not isinstance(config, WukongConfig):
         raise TypeError(f"config must be a WukongConfig, got {type(config).__name__}")
     ebc = pooled_token_tables(spec, config.embedding_dim, "WukongConfig", "Wukong", embedding_device)
-    return Wukong(ebc, [t.feature for t in spec.pooled_tables], spec.num_dense, config, device)
+    return Wukong(ebc, WukongOverArch([t.feature for t in spec.pooled_tables], spec.num_dense, config, device), config)
