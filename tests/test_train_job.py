@@ -283,7 +283,7 @@ def test_wukong_compiled_with_the_probe_reaches_every_gemm_through_the_job(tmp_p
 
 
 # The zoo's Probe runs (as the Wukong one): under compile, a probe cadence longer than a step.
-ZOO_PROBE = ["loka.probe.enabled=true", "loka.probe.warmup_steps=10", "loka.probe.every=5", "train.compile=default"]
+ZOO_PROBE = ["loka.probe.enabled=true", "loka.probe.warmup_steps=10", "loka.probe.every=5", "train.compile=default", "train.steps=14"]
 
 
 @pytest.mark.slow
