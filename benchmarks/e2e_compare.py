@@ -30,9 +30,20 @@ Runs (``--runs``; the compile mode is the job's ``train.compile``: ``none`` is e
 ``default`` is Inductor without CUDA graphs; ``reduce-overhead`` adds CUDA graphs, and Inductor
 runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cudagraphs``):
 
-* ``bf16``: LoKA's model (Mods on) with every GEMM in bf16 (``loka.dispatch.mode=all-bf16``), eager;
+* ``bf16``: LoKA's model (Mods on) with every GEMM in bf16 (``loka.dispatch.mode=all-bf16``) and
+  the embedding comms fixed at fp32 (TorchRec's own), eager;
 * ``bf16_compile``, ``bf16_compile_cudagraphs``: the same with ``train.compile=default`` and
-  ``train.compile=reduce-overhead``: the baseline users run, and the reference for speed-ups;
+  ``train.compile=reduce-overhead``: the same-architecture bf16 reference;
+* ``bf16_auto_comms_compile``, ``bf16_auto_comms_compile_cudagraphs``: those with LoKA's embedding
+  comms at their default (``auto``): with them the report splits LoKA's gain over the user's job
+  into the Mods (user's job -> ``bf16_compile*``), the comms (-> ``bf16_auto_comms_compile*``) and
+  the FP8 GEMMs (-> the LoKA run), section "Where LoKA's gain comes from";
+* ``plain_compile``, ``plain_compile_cudagraphs``: the user's job unchanged (``loka.enabled=false``:
+  no Mods, TorchRec's own comms), compiled: the first reference for speed-ups;
+* ``plain_compile_bf16_allreduce``, ``bf16_compile_bf16_allreduce``, ``loka_compile_default_bf16_allreduce``
+  (CUDA, several ranks): ``plain_compile``, ``bf16_compile`` and ``loka_compile_default`` with the
+  dense gradients' all-reduce in bf16 (``train.dense_allreduce=bf16``: PyTorch's compression hook
+  through TorchRec's DDP wrapper), so that the dense comms' gain shows for every model alike;
 * ``bf16_probed_compile_cudagraphs`` (not in the default list): ``bf16_compile_cudagraphs`` with the
   Probe on: it learns, measures the candidates and plans at the end of its warm-up as in
   ``loka_compile``, and Dispatch's static mode keeps every GEMM in bf16: what the learning leaves
@@ -62,7 +73,8 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   to measure what the gates cost in speed and save in NE; ``loka`` (not in the default list): the same, eager;
 * ``loka_comms_off``: ``loka`` with fp32 embedding comms set explicitly, no timing (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
-  (``train.sharding_group_size=1``; CUDA only; not in the default list).
+  (``train.sharding_group_size=1``; CUDA only; not in the default list); ``loka_dmpc2_compile_default``
+  and ``bf16_dmpc2_compile``: LoKA and the same-architecture bf16 with groups of two ranks, compiled.
 
 A run named ``<run>@<k>`` (``k >= 2``) is the ``k``-th repeat of ``<run>`` in the same call,
 with the same configuration, seed and data, e.g. ``--runs bf16_compile_cudagraphs,loka_compile,
@@ -132,6 +144,9 @@ DEFAULT_RECIPES = ("dlrm_large", "dhen_large", "dhen_xl", "hstu_large", "hstu_xl
 # architecture as LoKA's runs in bf16 (Mods on, every GEMM bf16), else eager FALLBACK_REFERENCE.
 USER_JOB_REFERENCES = ("plain_compile", "plain_compile_cudagraphs")
 COMPILED_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs")
+# The same architecture in bf16 with LoKA's embedding comms: the step between the two references and
+# LoKA's run in the split of LoKA's gain (section "Where LoKA's gain comes from").
+AUTO_COMMS_REFERENCES = ("bf16_auto_comms_compile", "bf16_auto_comms_compile_cudagraphs")
 FALLBACK_REFERENCE = "bf16"
 # NE differences are to the first of these that completed for the same seed (same data; the plain
 # model is LoKA's architecture where LoKA runs without Mods).
@@ -164,8 +179,14 @@ class RunSpec:
             raise ValueError(f"RunSpec.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
 
-_BF16 = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
-_BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=all")
+# The same architecture as LoKA's runs in bf16: Mods on, every GEMM bf16, the embedding comms fixed at
+# fp32 (TorchRec's own), so that it differs from LoKA's run by the FP8 GEMMs and LoKA's comms alone.
+_FP32_COMMS = ("loka.comms.forward=fp32", "loka.comms.backward=fp32")
+_BF16_AUTO_COMMS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
+_BF16 = (*_BF16_AUTO_COMMS, *_FP32_COMMS)
+_BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=all", *_FP32_COMMS)
+# DDP's dense gradient all-reduce in bf16 (PyTorch's compression hook through TorchRec), for any run.
+_BF16_ALLREDUCE = ("train.dense_allreduce=bf16",)
 # Comms at the default ("auto": fp8 or fp32 per direction, from a timing of the run's all-to-all),
 # so the benchmark measures what a user gets.
 _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
@@ -204,6 +225,8 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16_compile", _BF16, compile="default"),
         RunSpec("bf16_compile_cudagraphs", _BF16, compile="reduce-overhead"),
         RunSpec("bf16_probed_compile_cudagraphs", _BF16_PROBED, compile="reduce-overhead"),
+        RunSpec("bf16_auto_comms_compile", _BF16_AUTO_COMMS, compile="default"),
+        RunSpec("bf16_auto_comms_compile_cudagraphs", _BF16_AUTO_COMMS, compile="reduce-overhead"),
         RunSpec("bf16_nomods", _PLAIN),
         RunSpec("plain_compile", _PLAIN, compile="default"),
         RunSpec("plain_compile_cudagraphs", _PLAIN, compile="reduce-overhead"),
@@ -228,8 +251,14 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("loka_compile_default_loose_gates", (*_LOKA, *_LOOSE_GATES), compile="default"),
         # Multi-rank comparisons: LoKA with TorchRec's own fp32 embedding comms, and LoKA under
         # DMPCollection (2D sparse parallelism: sharding groups of one rank, replicated).
-        RunSpec("loka_comms_off", (*_LOKA, "loka.comms.forward=fp32", "loka.comms.backward=fp32")),
+        RunSpec("loka_comms_off", (*_LOKA, *_FP32_COMMS)),
         RunSpec("loka_dmpc", (*_LOKA, "train.sharding_group_size=1"), cuda_only=True),
+        RunSpec("loka_dmpc2_compile_default", (*_LOKA, "train.sharding_group_size=2"), compile="default", cuda_only=True),
+        RunSpec("bf16_dmpc2_compile", (*_BF16, "train.sharding_group_size=2"), compile="default", cuda_only=True),
+        # The dense all-reduce in bf16 (DDP's compression hook), for the user's job, bf16 and LoKA alike.
+        RunSpec("plain_compile_bf16_allreduce", (*_PLAIN, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
+        RunSpec("bf16_compile_bf16_allreduce", (*_BF16, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
+        RunSpec("loka_compile_default_bf16_allreduce", (*_LOKA, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
     )
 }
 DEFAULT_RUNS = (
@@ -237,6 +266,15 @@ DEFAULT_RUNS = (
     "te_compile", "loka_compile",
 )  # fmt: skip
 REPEAT_SEPARATOR = "@"  # ``<run>@<k>``: the k-th run of one configuration in a call (module docstring)
+
+
+def comms_check_steps() -> int:
+    """Steps the check of a compressed ``auto`` comms choice takes at its defaults
+    (:mod:`loka_torchrec.comms.step_check`): on several ranks a LoKA run's steady state starts after it."""
+    from loka_torchrec.comms.config import CommsConfig
+    from loka_torchrec.comms.step_check import CommsStepCheck
+
+    return CommsStepCheck(block=CommsConfig().step_check_steps).total_steps
 
 
 def probes(spec: RunSpec) -> bool:
@@ -304,7 +342,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=None,
         help="steps after this one are timed (default: the larger of steps/2 and the probe warm-up + 80, for every "
         "run so that invocations compare: a loka run's plan, then the step-time guard's 5 settling and 50 compared "
-        "steps, come first; without loka runs, steps/2 where that would not fit)",
+        "steps, come first; with several ranks also the comms step check's steps; without loka runs, steps/2 where "
+        "that would not fit)",
     )
     p.add_argument("--probe-warmup", type=int, default=200, help="loka.probe.warmup_steps of the loka run (steps)")
     p.add_argument(
@@ -366,7 +405,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         # (5 + 50 steps later), whichever runs are listed: invocations with the same --steps and
         # --probe-warmup time the same steps, so their tables compare. Without loka runs, a
         # window that would not fit falls back to the second half.
-        args.window_start = max(args.steps // 2, args.probe_warmup + 80)
+        args.window_start = max(args.steps // 2, args.probe_warmup + 80 + (comms_check_steps() if args.nproc > 1 else 0))
         if args.window_start >= args.steps and not has_loka:
             args.window_start = args.steps // 2
     if not 0 < args.window_start < args.steps:
@@ -599,6 +638,8 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
         }
     if loka and loka.get("comms"):
         out["comms"] = loka["comms"]  # the precisions in force and how "auto" decided them
+    if s.get("dense_allreduce"):
+        out["dense_allreduce"] = s["dense_allreduce"]  # DDP's gradient all-reduce: precision on the wire, bucket size
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
     if s.get("profile"):
@@ -797,6 +838,98 @@ def _host_cell(host: Optional[Dict[str, float]]) -> str:
     return " / ".join(f"{host[k]:.0f}" for k in ("kernel_launches_per_step", "graph_launches_per_step", "operators_per_step"))
 
 
+def _ms_cell(record: Optional[Dict[str, Any]]) -> str:
+    return f"{record['median_step_ms']:.2f} (`{record['run']}`)" if record else "n/a"
+
+
+def _ratio(slower: Optional[Dict[str, Any]], faster: Optional[Dict[str, Any]]) -> Optional[float]:
+    if not slower or not faster:
+        return None
+    return slower["median_step_ms"] / faster["median_step_ms"]
+
+
+def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> List[str]:
+    """"Where LoKA's gain comes from": per recipe, LoKA run and seed, the step from the user's job to
+    LoKA's in three moves, each the faster compile mode of its runs: the Mods (the user's job ->
+    the same architecture in bf16, fp32 comms), LoKA's embedding comms (-> the same in bf16 with
+    LoKA's comms) and the FP8 GEMMs (-> the LoKA run). The three ratios multiply to the whole."""
+    lines: List[str] = []
+    for recipe in recipes:
+        user = speed_references(records, recipe, USER_JOB_REFERENCES, None)
+        same = speed_references(records, recipe, COMPILED_REFERENCES, None)
+        comms = speed_references(records, recipe, AUTO_COMMS_REFERENCES, None)
+        loka_runs = sorted({r["run"] for r in records if r["recipe"] == recipe and _is_run(r["run"]) and probes(run_spec(r["run"]))
+                            and not r["run"].startswith("bf16")})  # fmt: skip
+        rows = []
+        for run in loka_runs:
+            for seed, loka in sorted(_ok(records, recipe, run).items()):
+                if seed not in user or not loka.get("median_step_ms"):
+                    continue
+                moves = (_ratio(user.get(seed), same.get(seed)), _ratio(same.get(seed), comms.get(seed)), _ratio(comms.get(seed), loka))
+                rows.append(
+                    f"| {run} | {seed} | {_ms_cell(user.get(seed))} | {_ms_cell(same.get(seed))} | {_ms_cell(comms.get(seed))} "
+                    f"| {loka['median_step_ms']:.2f} | " + " | ".join(_times(m) for m in moves)
+                    + f" | {_times(_ratio(user.get(seed), loka))} |"
+                )
+        if rows:
+            lines += [
+                f"### {recipe}", "",
+                "| LoKA run | seed | user's job ms | + Mods (bf16, fp32 comms) ms | + LoKA's comms ms | + FP8 GEMMs (LoKA) ms "
+                "| Mods | comms | FP8 GEMMs | all, vs user's job |",
+                "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+            ]  # fmt: skip
+    if not lines:
+        return []
+    return [
+        "## Where LoKA's gain comes from",
+        "",
+        "From the user's job (LoKA off) to LoKA's run in three moves, each ratio the earlier step time over the later "
+        "(median ms, the faster compile mode of each; n/a where that run is not in the call): the Mods (the same "
+        "architecture in bf16, embedding comms fixed at fp32), LoKA's embedding comms (`auto`), the FP8 GEMMs. "
+        "The three multiply to the last column.",
+        "",
+        *lines,
+    ]
+
+
+def comms_section(records: List[Dict[str, Any]]) -> List[str]:
+    """"What the collectives cost": per profiled multi-rank run and seed, the precisions on the wire
+    and the collectives' time per step by kind and phase, and the part no kernel overlapped."""
+    profiled = [r for r in records if r.get("status") == "ok" and (r.get("profile") or {}).get("comms")
+                and (r.get("world_size") or 1) > 1]  # fmt: skip
+    if not profiled:
+        return []
+    lines = [
+        "## What the collectives cost",
+        "",
+        "Rank 0's profiled steps: the embedding all-to-all (TorchRec's input distribution of the next batch, "
+        "started outside the step's forward, and the embeddings' forward and backward exchange) and DDP's dense "
+        "all-reduce, ms per step of collective kernels; exposed: the time a collective ran while no other kernel did "
+        "(what the step waited on; a late peer shows here too), and its share of the profiled wall time. Embedding "
+        "comms: the all-to-all precisions (forward, backward; TorchRec's own fp32 where LoKA is off); dense: the "
+        "compression hook DDP runs on the gradients (read from the DDP module) and its bucket size.",
+        "",
+        "| recipe | run | seed | embedding comms | dense all-reduce | all-to-all fwd / bwd / outside | all-reduce | other "
+        "| exposed: all-to-all / all-reduce / all | exposed % of wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in profiled:
+        c, p = r["profile"]["comms"], r["profile"]
+        per, exposed = c["ms_per_step"], c["exposed_ms_per_step"]
+        dense = r.get("dense_allreduce") or {}
+        hooks = ", ".join(dense.get("comm_hooks") or []) or "fp32 (no hook)"
+        bucket = f"{dense['bucket_cap_mb']:g} MiB" if dense.get("bucket_cap_mb") else "n/a"
+        a2a = " / ".join(_fmt(per["all_to_all"][phase], ".2f") for phase in ("forward", "backward", "outside"))
+        lines.append(
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {r.get('comms') or 'fp32 (TorchRec)'} "
+            f"| {hooks}, {bucket} | {a2a} "
+            f"| {_fmt(sum(per['all_reduce'].values()), '.2f')} | {_fmt(sum(per['other'].values()), '.2f')} "
+            f"| {_fmt(exposed['all_to_all'], '.2f')} / {_fmt(exposed['all_reduce'], '.2f')} / {_fmt(exposed['all'], '.2f')} "
+            f"| {_fmt(100 * exposed['all'] / p['wall_ms_per_step'] if p.get('wall_ms_per_step') else None, '.1f')} |"
+        )
+    return lines + [""]
+
+
 def profile_section(records: List[Dict[str, Any]]) -> List[str]:
     """"Where the step goes": one row per profiled run and seed (``--profile-start``), else no lines.
 
@@ -934,7 +1067,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"references named under each recipe: the user's job (`{'` or `'.join(USER_JOB_REFERENCES)}`, the faster: the "
         "model unchanged, LoKA off, TorchRec's own comms, compiled), the same architecture in bf16 (the faster of "
         f"`{'` and `'.join(COMPILED_REFERENCES)}`, `{FALLBACK_REFERENCE}` if neither completed: Mods on, every GEMM "
-        f"bf16, LoKA's comms), and eager `{FALLBACK_REFERENCE}`",
+        f"bf16, embedding comms fixed at fp32), and eager `{FALLBACK_REFERENCE}`",
         "- comms: the embedding all-to-all precisions in force (forward, backward) and how `auto` chose them "
         "(LoKA's runs; the others run TorchRec's own fp32 comms)",
         f"- NE vs bf16: relative difference of the final eval NE to the first of `{'`, `'.join(NE_REFERENCES)}` "
@@ -985,6 +1118,8 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             reason = str(r.get("reason") or "").replace("|", "\\|")
             lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {r['status']} | {reason} |")
         lines.append("")
+    lines += gain_split_section(records, a["recipes"])
+    lines += comms_section(records)
     lines += profile_section(records)
     lines += gpu_section(records)
     lines += host_section(records)

@@ -227,6 +227,20 @@ def format_summary(s: Dict[str, Any]) -> str:
             f"2D sharding      DMPCollection: tables sharded over groups of {s['sharding_group_size']} rank(s), "
             f"{s['world_size'] // s['sharding_group_size']} replica(s) synced every {s['sync_every']} step(s)"
         )
+    dense_allreduce = s.get("dense_allreduce")
+    if dense_allreduce and dense_allreduce.get("ddp") and s.get("world_size", 1) > 1:
+        hooks = ", ".join(dense_allreduce["comm_hooks"]) or "no hook: fp32"
+        lines.append(
+            f"dense all-reduce DDP ({hooks}), buckets of {dense_allreduce['bucket_cap_mb']:g} MiB"
+        )
+    comms = (s.get("profile") or {}).get("comms")
+    if comms and s.get("world_size", 1) > 1:
+        per = comms["ms_per_step"]
+        lines.append(
+            f"collectives      all-to-all {sum(per['all_to_all'].values()):.2f} ms/step (forward {per['all_to_all']['forward']:.2f}, "
+            f"backward {per['all_to_all']['backward']:.2f}), all-reduce {sum(per['all_reduce'].values()):.2f}; "
+            f"exposed {comms['exposed_ms_per_step']['all']:.2f} ms/step (profiled steps, rank 0)"
+        )
     baseline = s.get("baseline")
     loka = s.get("loka")
     if baseline:

@@ -51,6 +51,7 @@ from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.config import CommsConfig
 from loka_torchrec.comms.sharders import model_embedding_dims
 from loka_torchrec.comms.sharders import sharders as comms_sharders
+from loka_torchrec.comms.step_check import CommsStepCheck, CommsStepChecker
 from loka_torchrec.compile import compile_dense, dense_modules, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs
 from loka_torchrec.config import LokaConfig
 from loka_torchrec.dense_inputs import DenseInputs
@@ -69,6 +70,11 @@ COMMS_PLAN_FILE = "comms_plan.json"
 """In the run folder: the comms precisions in force, and for ``"auto"`` how they were decided."""
 
 
+def _world_size(process_group) -> int:
+    """Ranks of ``process_group`` (1 without a process group)."""
+    return dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+
+
 @dataclasses.dataclass
 class Loka:
     """What :func:`prepare` set up for one job (one per rank).
@@ -80,6 +86,8 @@ class Loka:
         compiled_modules: the dense submodules compiled in place (empty: eager).
         comms_selection: the choice the ``"auto"`` comm codecs follow (``None`` when no
             direction is ``"auto"``); set by :meth:`decide_comms` or :meth:`load_state_dict`.
+        comms_checker: the check of a compressed ``"auto"`` choice in the training step
+            (``comms.step_check_steps``; ``None``: nothing to check).
         run_dir, process_group, batch_size, embedding_dims: what :meth:`decide_comms` writes to
             and times (see :func:`prepare`).
         dense_inputs: with ``dispatch.grad_check`` under a ``policy`` plan, the dense modules'
@@ -95,6 +103,7 @@ class Loka:
     probe: Optional[Any]
     compiled_modules: List[str]
     comms_selection: Optional[CommsSelection] = None
+    comms_checker: Optional[CommsStepChecker] = None
     run_dir: Optional[str] = None
     process_group: Optional[Any] = None
     batch_size: Optional[int] = None
@@ -167,8 +176,35 @@ class Loka:
         )  # fmt: skip
         self.comms_selection.set(choice)
         logger.info("loka comms: %s", choice.summary())
+        self._arm_comms_check()
         self._write_comms_plan()
         return choice
+
+    def _arm_comms_check(self) -> None:
+        """A compressed ``"auto"`` choice not checked yet gets its check in the training step; it
+        starts once Dispatch needs no step times (:meth:`_step_times_free`)."""
+        if CommsStepChecker.needed(self.comms_choice, self.config.comms.step_check_steps):
+            check = CommsStepCheck(block=self.config.comms.step_check_steps)
+            self.comms_checker = CommsStepChecker(self.comms_selection, check, self.process_group)
+
+    def _step_times_free(self) -> bool:
+        """Whether Dispatch is done with step times for now: no policy plan to wait for, no trial of
+        one under way. The same on every rank (plans and verdicts are agreed)."""
+        dispatcher = self.dispatcher
+        plan_pending = (dispatcher.config.mode == "policy" and dispatcher.plan.step == 0
+                        and (self.probe is not None or dispatcher.config.evidence != "probe"))  # fmt: skip
+        return not plan_pending and not dispatcher.judging_step_times
+
+    def _observe_step_time(self, step: int, step_ms: float) -> None:
+        """A step's time goes to the comms check while it runs (one of its arms), else to Dispatch."""
+        checker = self.comms_checker
+        if checker is not None and not checker.check.done:
+            taken = checker.observe(step, step_ms, ready=self._step_times_free())
+            if checker.check.done:
+                self._write_comms_plan()
+            if taken:
+                return
+        self.dispatcher.observe_step_time(step, step_ms)
 
     def _write_comms_plan(self) -> None:
         if self.run_dir is None or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
@@ -311,7 +347,7 @@ class Loka:
             self._drop_unneeded_dense_inputs()
         self._record_dense_inputs(step + 1)
         if step_ms is not None:
-            self.dispatcher.observe_step_time(step, step_ms)
+            self._observe_step_time(step, step_ms)
         if self.cuda_graphs:
             end_compiled_step()
 
@@ -329,6 +365,8 @@ class Loka:
         state: Dict[str, Any] = {"dispatch": self.dispatcher.state_dict(), "comms": dataclasses.asdict(self.config.comms)}
         if self.comms_choice is not None:
             state["comms_choice"] = self.comms_choice.to_dict()
+        if self.comms_checker is not None and not self.comms_checker.check.done:
+            state["comms_step_check"] = self.comms_checker.state_dict()
         if self.probe is not None:
             state["probe"] = to_plain(self.probe.state_dict(), path="loka.probe")
         return state
@@ -366,6 +404,10 @@ class Loka:
             self.dense_inputs = None
         if self.comms_selection is not None and state.get("comms_choice") is not None:
             self._restore_comms(CommsChoice.from_dict(state["comms_choice"]))
+            if self._comms_restored:
+                self._arm_comms_check()  # a choice saved before its check finished is checked in this run
+                if self.comms_checker is not None and state.get("comms_step_check"):
+                    self.comms_checker.load_state_dict(state["comms_step_check"])
         if self.probe is not None:
             if "probe" in state:
                 self.probe.load_state_dict(from_plain(state["probe"]))
@@ -374,7 +416,7 @@ class Loka:
     def _restore_comms(self, choice: CommsChoice) -> None:
         comms = self.config.comms
         auto = {d for d in ("forward", "backward") if getattr(comms, d) == "auto"}
-        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
+        world = _world_size(self.process_group)
         if not auto <= set(choice.decided) or choice.world_size != world:
             logger.warning(
                 "loka comms: the checkpoint's choice (%s, %d rank(s)) does not fit this run (auto: %s, %d rank(s)); "
@@ -394,7 +436,10 @@ class Loka:
             return f"forward {comms.forward}, backward {comms.backward}{pending}"
         resolved = comms.resolved(choice.forward, choice.backward)
         how = "restored from the checkpoint: " if self._comms_restored else ""
-        return f"forward {resolved.forward}, backward {resolved.backward} (auto, {how}{choice.summary()})"
+        checking = ""
+        if self.comms_checker is not None and not self.comms_checker.check.done:
+            checking = "; being checked in the training step" if self.comms_checker.started else "; to be checked in the training step"
+        return f"forward {resolved.forward}, backward {resolved.backward} (auto, {how}{choice.summary()}{checking})"
 
     def close(self) -> None:
         """Flush the Probe's logs and remove its hooks (idempotent); the model may be prepared again."""

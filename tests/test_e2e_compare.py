@@ -122,6 +122,7 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
         sys.executable, DRIVER, "--device", "cpu", "--recipes", "dlrm", "--runs", "bf16,bf16_nomods,loka,te",
         "--seeds", "0", "--nproc", "2", "--steps", "6", "--window-start", "3", "--probe-warmup", "2",
         "--out", str(out), "--name", "smoke", "--run-timeout", "120", "--max-seconds", "300",
+        "--profile-start", "5", "--profile-steps", "1",
     ]
     for override in ("data.num_tables=4", "data.num_embeddings=1000", "data.embedding_dim=32", "data.batch_size=128",
                      "data.eval_batches=4", "model.dense_arch_layer_sizes=[64,32]", "model.over_arch_layer_sizes=[64,32,1]",
@@ -140,7 +141,13 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
     for name in ("bf16", "bf16_nomods", "loka"):
         r = runs[name]
         assert r["status"] == "ok", (name, r.get("reason"), r.get("log_tail"))
-        assert r["timed_window"] == [4, 6] and r["timed_steps"] == 3
+        assert r["timed_window"] == [4, 6] and r["timed_steps"] == 2  # step 5 profiled, not timed
+        # The collectives of the profiled step on rank 0: the embedding all-to-all in the forward and
+        # the backward (gloo's), DDP's all-reduce of the dense gradients in the backward.
+        comms = r["profile"]["comms"]["ms_per_step"]
+        assert comms["all_to_all"]["forward"] > 0 and comms["all_to_all"]["backward"] > 0, comms
+        assert comms["all_reduce"]["backward"] > 0, comms
+        assert r["dense_allreduce"]["ddp"] and r["dense_allreduce"]["comm_hooks"] == []
         assert r["p10_step_ms"] <= r["median_step_ms"] <= r["p90_step_ms"]
         assert 0 < r["eval_ne"] < 2 and 0 <= r["eval_auc"] <= 1 and r["qps"] > 0
         assert r["peak_memory_gb"] is None  # CPU
@@ -158,7 +165,8 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
     expected = 100 * (runs["loka"]["eval_ne"] - runs["bf16"]["eval_ne"]) / runs["bf16"]["eval_ne"]
     assert rows["loka"]["ne_vs_bf16_pct"] == pytest.approx(expected)
     for text in ("## dlrm", "| loka | none | ok |", "| te | none | skipped |", "CUDA only", "## Commands", "LOKA_RUN_DIR=",
-                 "Same architecture in bf16: seed 0: `bf16` ("):
+                 "Same architecture in bf16: seed 0: `bf16` (", "## What the collectives cost",
+                 "| dlrm | loka | 0 | forward fp32, backward fp32 (auto, ", "| dlrm | bf16_nomods | 0 | fp32 (TorchRec) | fp32 (no hook), 25 MiB |"):
         assert text in md
 
 
@@ -456,3 +464,48 @@ def test_a_repeat_runs_the_same_configuration_and_shows_the_run_to_run_spread(ca
     assert rows["bf16_compile_cudagraphs@2"]["speedup_vs_reference"] == pytest.approx(8.0 / 8.4)
     assert rows["loka_compile@2"]["speedup_vs_reference"] == pytest.approx(8.0 / 7.7)
     assert rows["loka_compile@2"]["compile"] == "reduce-overhead"
+
+
+def test_gain_split_walks_from_the_users_job_to_lokas_run_in_three_moves():
+    """The Mods (user's job -> same-architecture bf16 with fp32 comms), LoKA's comms (-> the same with
+    `auto` comms), the FP8 GEMMs (-> LoKA); each the faster compile mode of its runs; the moves multiply."""
+    e2e = _driver()
+    assert set(e2e._FP32_COMMS) <= set(e2e.run_spec("bf16_compile").overrides)
+    assert set(e2e._FP32_COMMS) <= set(e2e.run_spec("bf16_probed_compile_cudagraphs").overrides)
+    assert not any("loka.comms" in o for o in e2e.run_spec("bf16_auto_comms_compile").overrides)
+    assert "train.dense_allreduce=bf16" in e2e.run_spec("loka_compile_default_bf16_allreduce").overrides
+    records = [
+        _rec("plain_compile", 0, 180.0), _rec("plain_compile_cudagraphs", 0, 170.0),
+        _rec("bf16_compile", 0, 160.0), _rec("bf16_auto_comms_compile", 0, 64.0),
+        _rec("loka_compile_default", 0, 60.0), _rec("loka_compile_default", 1, 61.0),  # seed 1 has no user's job
+    ]  # fmt: skip
+    lines = e2e.gain_split_section(records, ["r"])
+    row = next(line for line in lines if line.startswith("| loka_compile_default | 0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:6] == ["170.00 (`plain_compile_cudagraphs`)", "160.00 (`bf16_compile`)",
+                          "64.00 (`bf16_auto_comms_compile`)", "60.00"]  # fmt: skip
+    moves = [float(c.rstrip("x")) for c in cells[6:10]]
+    assert moves == pytest.approx([170 / 160, 160 / 64, 64 / 60, 170 / 60], abs=1e-3)
+    assert not any(line.startswith("| loka_compile_default | 1 |") for line in lines)
+    # A missing middle run leaves its moves n/a; the whole is still against the user's job.
+    partial = e2e.gain_split_section([r for r in records if r["run"] != "bf16_auto_comms_compile"], ["r"])
+    row = next(line for line in partial if line.startswith("| loka_compile_default | 0 |"))
+    assert "| 1.062x | n/a | n/a | 2.833x |" in row
+    assert e2e.gain_split_section([_rec("loka_compile_default", 0, 60.0)], ["r"]) == []
+
+
+def test_comms_section_shows_the_collectives_of_multi_rank_runs_only():
+    e2e = _driver()
+    comms = {"ms_per_step": {"all_to_all": {"forward": 1.0, "backward": 2.0, "outside": 3.0},
+                             "all_reduce": {"forward": 0.0, "backward": 20.0, "outside": 0.0},
+                             "other": {"forward": 0.0, "backward": 0.0, "outside": 0.0}},
+             "total_ms_per_step": 26.0, "exposed_ms_per_step": {"all_to_all": 2.5, "all_reduce": 1.5, "other": 0.0, "all": 4.0}}  # fmt: skip
+    profile = {"wall_ms_per_step": 80.0, "comms": comms}
+    multi = dict(_rec("plain_compile", 0, 80.0, profile=profile), world_size=4,
+                 dense_allreduce={"precision": "bf16", "bucket_cap_mb": 25.0, "ddp": True, "comm_hooks": ["bf16_compress_hook"]})
+    single = dict(_rec("bf16_compile", 0, 70.0, profile=profile), world_size=1)
+    lines = e2e.comms_section([multi, single])
+    assert lines[0] == "## What the collectives cost"
+    assert "| r | plain_compile | 0 | fp32 (TorchRec) | bf16_compress_hook, 25 MiB | 1.00 / 2.00 / 3.00 | 20.00 | 0.00 | 2.50 / 1.50 / 4.00 | 5.0 |" in lines
+    assert not any("| bf16_compile |" in line for line in lines)
+    assert e2e.comms_section([single]) == []

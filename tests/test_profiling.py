@@ -170,7 +170,7 @@ def test_event_filters_keep_work_and_drop_annotations():
     from loka_job.training.profiling import _cpu_operators, _device_kernels
 
     def event(name, device, activity, annotation=False, start=0.0, end=10.0, self_us=4.0):
-        return SimpleNamespace(name=name, device_type=device, activity_type=activity, is_user_annotation=annotation,
+        return SimpleNamespace(name=name, device_type=device, activity_type=activity, is_user_annotation=annotation, id=0,
                                is_async=False, time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=self_us)  # fmt: skip
 
     cuda, cpu = DeviceType.CUDA, DeviceType.CPU

@@ -16,6 +16,9 @@
   GEMM ran 2x faster and nothing else changed; ``amdahl_2x_gemm_ceiling_wall`` is the same with the
   GEMMs' share of the wall time (smaller when the device idles: GEMMs cannot shorten idle time);
 * ``top_kernels``: the 15 event names with the most total time;
+* ``comms``: the collectives' time per step by kind (all-to-all, all-reduce, other) and phase of the
+  step (forward, backward, outside), and the part of it no other event overlapped (exposed)
+  (:mod:`loka_job.training.comms_timeline`);
 * ``host``: the host's side of the window, per step (:func:`host_work`): CUDA kernel launches,
   CUDA graph launches and operators dispatched: where two runs with the same kernels differ in idle
   time, this shows whether both replay CUDA graphs (a replaying step launches few kernels itself).
@@ -48,6 +51,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Pattern, Seq
 import torch
 from torch.autograd import DeviceType
 
+from loka_job.training.comms_timeline import PhaseRanges, comms_breakdown
 from loka_torchrec.atomic_files import write_json_atomic
 
 __all__ = [
@@ -176,12 +180,14 @@ class ProfiledEvent(NamedTuple):
     """One profiled kernel or operator (times in microseconds from the trace's start).
 
     ``self_us`` is the time the event counts for: a kernel's duration, an operator's self time
-    (without the operators it called)."""
+    (without the operators it called). ``phase``: the part of the training step that launched it
+    (``forward``, ``backward`` or ``outside``; :class:`~loka_job.training.comms_timeline.PhaseRanges`)."""
 
     name: str
     start_us: float
     end_us: float
     self_us: float
+    phase: str = "outside"
 
 
 def _union_us(events: Iterable[ProfiledEvent]) -> float:
@@ -254,6 +260,7 @@ def summarize_events(
         "amdahl_2x_gemm_ceiling": amdahl_ceiling(gemm_share),
         "amdahl_2x_gemm_ceiling_wall": amdahl_ceiling(gemm_share_of_wall),
         "top_kernels": top_kernels,
+        "comms": comms_breakdown(events, is_collective=lambda name: classify(name) == "comms", num_steps=num_steps),
     }
 
 
@@ -265,7 +272,7 @@ def profile_summary(report: Dict[str, Any]) -> Dict[str, Any]:
     """The few numbers of a :func:`summarize_events` report that go into the run's summary."""
     keys = (
         "steps", "source", "file", "wall_ms_per_step", "kernel_ms_per_step", "busy_ms_per_step", "idle_share",
-        "gemm_share", "gemm_share_of_wall", "amdahl_2x_gemm_ceiling", "amdahl_2x_gemm_ceiling_wall", "host",
+        "gemm_share", "gemm_share_of_wall", "amdahl_2x_gemm_ceiling", "amdahl_2x_gemm_ceiling_wall", "host", "comms",
     )  # fmt: skip
     out = {k: report[k] for k in keys if k in report}
     out["shares"] = {c: v["share"] for c, v in report["categories"].items()}
@@ -282,10 +289,46 @@ def _is_annotation(event) -> bool:
     return bool(getattr(event, "is_user_annotation", False)) or "annotation" in str(getattr(event, "activity_type", "") or "")
 
 
+def _phase_ranges(events) -> PhaseRanges:
+    """The host-side ranges of a ``torch.profiler`` event list (the pipeline's forward and backward)."""
+    return PhaseRanges(
+        (e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CPU and _is_annotation(e)
+    )
+
+
+_RUNTIME_CALL = re.compile(r"^(cuda|cu)[A-Z]\w*$")  # cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, cudaMemcpyAsync ...
+
+
+def _launch_times(events) -> Tuple[Dict[int, float], Dict[int, float]]:
+    """Host start times of the CUDA runtime/driver calls (by their CUPTI correlation id, which the
+    kernel they launched shares as its own id) and of every host event (by id, which newer
+    PyTorch names in a kernel's ``linked_correlation_id``)."""
+    runtime, host = {}, {}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        host[e.id] = e.time_range.start
+        if _RUNTIME_CALL.match(e.name):
+            runtime[e.id] = e.time_range.start
+    return runtime, host
+
+
 def _device_kernels(events) -> List[ProfiledEvent]:
-    """The CUDA kernels, copies and sets of a ``torch.profiler`` event list."""
+    """The CUDA kernels, copies and sets of a ``torch.profiler`` event list, each with the phase of the
+    host call that launched it: the runtime call with the kernel's correlation id, else the host
+    event its ``linked_correlation_id`` names (where this PyTorch records it)."""
+    phases = _phase_ranges(events)
+    runtime, host = _launch_times(events)
+
+    def launched_at(kernel) -> Optional[float]:
+        if kernel.id in runtime:
+            return runtime[kernel.id]
+        return host.get(getattr(kernel, "linked_correlation_id", 0) or -1)
+
     return [
-        ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.time_range.end - e.time_range.start)
+        ProfiledEvent(
+            e.name, e.time_range.start, e.time_range.end, e.time_range.end - e.time_range.start, phases.phase_of(launched_at(e))
+        )  # fmt: skip
         for e in events
         if e.device_type == DeviceType.CUDA and not _is_annotation(e)
     ]
@@ -312,9 +355,10 @@ def host_work(names: Iterable[str], num_steps: int) -> Dict[str, float]:
 
 
 def _cpu_operators(events) -> List[ProfiledEvent]:
-    """The CPU operators of a ``torch.profiler`` event list, each with its self time."""
+    """The CPU operators of a ``torch.profiler`` event list, each with its self time and phase."""
+    phases = _phase_ranges(events)
     return [
-        ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total)
+        ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total, phases.phase_of(e.time_range.start))
         for e in events
         if e.device_type == DeviceType.CPU and not e.is_async and _is_cpu_operator(e)
     ]

@@ -13,12 +13,12 @@ state over each replica group) and ``TrainPipelineSparseDist`` calls that sync e
 from __future__ import annotations
 
 import inspect
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["shard_model", "default_sharders", "check_sharding_group_size", "SYNC_INTERVAL_ARG"]
+__all__ = ["shard_model", "default_sharders", "check_sharding_group_size", "dense_allreduce_in_force", "SYNC_INTERVAL_ARG"]
 
 # TrainPipelineSparseDist's argument for how often (in batches) it calls DMPCollection.sync().
 SYNC_INTERVAL_ARG = "dmp_collection_sync_interval_batches"
@@ -101,6 +101,8 @@ def shard_model(
     embedding_lr: float,
     sharders: Optional[List] = None,
     sharding_group_size: Optional[int] = None,
+    dense_allreduce: str = "fp32",
+    ddp_bucket_cap_mb: int = 25,
 ):
     """Plan with ``EmbeddingShardingPlanner``, wrap in ``DistributedModelParallel``.
 
@@ -114,11 +116,15 @@ def shard_model(
     (``collective_plan``), and ``DMPCollection`` remaps it onto each group's ranks. Checked by
     :func:`check_sharding_group_size` first.
 
+    The dense modules are wrapped in DDP by TorchRec's ``DefaultDataParallelWrapper`` with
+    ``ddp_bucket_cap_mb`` and, for ``dense_allreduce`` ``bf16`` / ``fp16``, PyTorch's compression
+    hook of that precision on the gradients' all-reduce (``fp32``: none).
+
     Returns:
         ``(dmp_model, sharding_plan)``.
     """
     import torch.distributed as dist
-    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -128,6 +134,10 @@ def shard_model(
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     check_sharding_group_size(sharding_group_size, world_size=world_size, device=device)
+    if dense_allreduce == "bf16" and device.type != "cuda":
+        raise ValueError(
+            f"train.dense_allreduce: bf16 needs CUDA and NCCL (PyTorch's bf16 compression hook); on {device.type} use fp16 or fp32"
+        )
     embedding_params = [
         p for name, p in model.named_parameters() if "embedding_bags" in name or "embeddings." in name
     ]
@@ -148,8 +158,13 @@ def shard_model(
             f"data.embedding_dim / data.num_embeddings or the number of processes"
             + ("" if sharding_group_size is None else " / train.sharding_group_size")
         ) from exc
+    data_parallel = DefaultDataParallelWrapper(
+        bucket_cap_mb=ddp_bucket_cap_mb, allreduce_comm_precision=None if dense_allreduce == "fp32" else dense_allreduce
+    )
     if sharding_group_size is None:
-        dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=sharders)
+        dmp = DistributedModelParallel(
+            module=model, device=device, plan=plan, sharders=sharders, data_parallel_wrapper=data_parallel
+        )
     else:
         from torchrec.distributed.model_parallel import DMPCollection
 
@@ -162,5 +177,33 @@ def shard_model(
             global_pg=dist.GroupMember.WORLD,
             node_group_size=local_world_size,
             sharders=sharders,
+            **_dmp_collection_wrapper(DMPCollection, data_parallel, dense_allreduce, ddp_bucket_cap_mb),
         )
     return dmp, plan
+
+
+def _dmp_collection_wrapper(dmp_collection, data_parallel, dense_allreduce: str, bucket_cap_mb: int) -> Dict[str, Any]:
+    """``DMPCollection``'s ``data_parallel_wrapper`` argument where the job sets DDP's all-reduce; a
+    TorchRec whose ``DMPCollection`` takes none runs its default (fp32, 25 MiB) only."""
+    if (dense_allreduce, bucket_cap_mb) == ("fp32", 25):
+        return {}
+    if "data_parallel_wrapper" not in inspect.signature(dmp_collection.__init__).parameters:
+        raise ValueError(
+            f"train.dense_allreduce / train.ddp_bucket_cap_mb: TorchRec {_torchrec_version()}'s DMPCollection takes no "
+            f"data_parallel_wrapper; leave them at fp32 / 25, or set train.sharding_group_size=null"
+        )
+    return {"data_parallel_wrapper": data_parallel}
+
+
+def dense_allreduce_in_force(dmp) -> Dict[str, Any]:
+    """What DDP does with the dense gradients of ``dmp``, read from its DDP module (not from the
+    config): ``ddp`` (whether TorchRec wrapped the dense part in DDP; a single rank or a model
+    without dense parameters has none), the communication hooks registered (their function names,
+    e.g. ``bf16_compress_hook``; none: fp32 gradients on the wire) and the bucket size in MiB."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(dmp, "_dmp_wrapped_module", None)
+    if not isinstance(ddp, DistributedDataParallel):
+        return {"ddp": False, "comm_hooks": [], "bucket_cap_mb": None}
+    hooks = [getattr(hook, "__name__", type(hook).__name__) for hook, _ in getattr(ddp, "_comm_hooks", [])]
+    return {"ddp": True, "comm_hooks": hooks, "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20}

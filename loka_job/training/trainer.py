@@ -36,12 +36,14 @@ from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
 from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
+from loka_job.training.sharding import dense_allreduce_in_force
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job", "check_baseline_vs_loka", "step_time_stats"]
 
 logger = logging.getLogger("loka_job.train")
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16}  # train.autocast -> torch.autocast dtype
+DENSE_ALLREDUCE_PRECISIONS = ("fp32", "bf16", "fp16")  # train.dense_allreduce
 
 
 def check_baseline_vs_loka(baseline: BaselineConfig, loka: LokaConfig) -> None:
@@ -132,6 +134,13 @@ class TrainConfig:
             ranks). An int: TorchRec's ``DMPCollection`` (2D sparse parallelism, CUDA only): tables
             sharded over groups of this many ranks, replicated across the ``world_size //
             sharding_group_size`` groups (:func:`loka_job.training.sharding.shard_model`).
+        dense_allreduce: what DDP sends in the dense gradients' all-reduce: ``fp32`` (default:
+            the gradients as they are), ``bf16`` or ``fp16`` (PyTorch's compression hooks, which
+            TorchRec's ``DefaultDataParallelWrapper`` registers: half the bytes on the wire, the
+            sum rounded to 16 bits before it is averaged). Independent of LoKA: it changes the
+            user's job and LoKA's alike, and reports say which ran.
+        ddp_bucket_cap_mb: DDP's gradient bucket size in MiB (TorchRec's default 25): smaller
+            buckets start the all-reduce earlier in the backward, larger ones send fewer messages.
         sync_every: with ``sharding_group_size``, average the embedding replicas (weights and
             the fused optimizer's state, ``DMPCollection.sync``) every this many steps; the train
             pipeline does it after the backward, where the fused optimizer has already updated
@@ -194,6 +203,8 @@ class TrainConfig:
     profile_steps: int = 5
     profile_trace: bool = False
     sharding_group_size: Optional[int] = None
+    dense_allreduce: str = "fp32"
+    ddp_bucket_cap_mb: int = 25
     sync_every: int = 1
     deterministic: bool = False
     data_workers: Optional[int] = None
@@ -235,6 +246,12 @@ class TrainConfig:
         timeout = self.peer_timeout_s
         if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout < 0:
             raise ValueError(f"train.peer_timeout_s: expected a number of seconds >= 0 (0: no watchdog), got {timeout!r}")
+        if self.dense_allreduce not in DENSE_ALLREDUCE_PRECISIONS:
+            raise ValueError(
+                f"train.dense_allreduce: expected one of {', '.join(DENSE_ALLREDUCE_PRECISIONS)}, got {self.dense_allreduce!r}"
+            )
+        if type(self.ddp_bucket_cap_mb) is not int or self.ddp_bucket_cap_mb < 1:
+            raise ValueError(f"train.ddp_bucket_cap_mb: expected an int >= 1 (MiB), got {self.ddp_bucket_cap_mb!r}")
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"train.autocast: expected one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
         for name, allow_null in (("sharding_group_size", True), ("sync_every", False)):
@@ -410,6 +427,8 @@ class Trainer:
             embedding_lr=train_config.embedding_lr,
             sharders=sharders,
             sharding_group_size=train_config.sharding_group_size,
+            dense_allreduce=train_config.dense_allreduce,
+            ddp_bucket_cap_mb=train_config.ddp_bucket_cap_mb,
         )
         # 4. Dense optimizer + the fused embedding optimizer behind one interface.
         def make_dense_optimizer(params) -> torch.optim.Adagrad:
@@ -599,6 +618,9 @@ class Trainer:
             "peak_memory_gb": self._peak_memory_gb(),
             "autocast": cfg.autocast,
             "sharding_group_size": cfg.sharding_group_size,
+            "dense_allreduce": {
+                "precision": cfg.dense_allreduce, "bucket_cap_mb": cfg.ddp_bucket_cap_mb, **dense_allreduce_in_force(self.model)
+            },  # fmt: skip
             "sync_every": cfg.sync_every if cfg.sharding_group_size is not None else None,
             "deterministic": cfg.deterministic,
             "compile": self._compile_summary(),

@@ -35,6 +35,9 @@ class CommsChoice:
         payload: what was timed (``values_per_rank``, ``width``, ``rows_per_rank``, ``source``).
         world_size: ranks of the process group the choice is for.
         seconds: host seconds the decision took on this rank.
+        step_check: the check in the training step (:mod:`~loka_torchrec.comms.step_check`):
+            ``{"chosen": {...}, "verdict": {...}}``, the precisions the timing chose and the
+            verdict; empty when the choice was not checked (fp32 everywhere, or the check off).
     """
 
     forward: str
@@ -45,6 +48,7 @@ class CommsChoice:
     payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     world_size: int = 1
     seconds: float = 0.0
+    step_check: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in DIRECTIONS:
@@ -66,6 +70,7 @@ class CommsChoice:
         out["reasons"] = dict(self.reasons)
         out["times_ms"] = {d: dict(t) for d, t in self.times_ms.items()}
         out["payload"] = dict(self.payload)
+        out["step_check"] = {k: dict(v) for k, v in self.step_check.items()}
         return out
 
     @classmethod
@@ -92,7 +97,18 @@ class CommsChoice:
             times = self.times_ms.get(direction) or {}
             timed = ", ".join(f"{p} {ms:.3f} ms" for p, ms in times.items())
             parts.append(f"{direction} {getattr(self, direction)} ({timed + '; ' if timed else ''}{self.reasons.get(direction, '')})")
-        return "; ".join(parts) + f" [{self.world_size} rank(s), decided in {self.seconds:.2f} s]"
+        line = "; ".join(parts) + f" [{self.world_size} rank(s), decided in {self.seconds:.2f} s]"
+        verdict = self.step_check.get("verdict")
+        if verdict:
+            chosen = self.step_check.get("chosen") or {}
+            was = ", ".join(f"{d} {p}" for d, p in chosen.items())
+            ratio = verdict["chosen_ms"] / verdict["fp32_ms"] if verdict["fp32_ms"] else float("nan")
+            line += (
+                f"; {was} checked in the training step: median {verdict['chosen_ms']:.2f} ms vs {verdict['fp32_ms']:.2f} ms "
+                f"in fp32 ({ratio:.3f}x, {verdict['steps_per_arm']} steps each): "
+                + ("kept" if verdict["keep_chosen"] else "fp32 instead")
+            )
+        return line
 
 
 class CommsSelection:
@@ -104,14 +120,24 @@ class CommsSelection:
 
     def __init__(self) -> None:
         self.choice: Optional[CommsChoice] = None
+        self.trial: Optional[Tuple[str, str]] = None
 
     def set(self, choice: CommsChoice) -> None:
         if not isinstance(choice, CommsChoice):
             raise TypeError(f"choice: expected a CommsChoice, got {type(choice).__name__}")
         self.choice = choice
 
+    def try_precisions(self, precisions: Optional[Tuple[str, str]]) -> None:
+        """Run ``(forward, backward)`` instead of the choice until called with ``None`` (the comms
+        step check's fp32 arm); set between training steps, as the choice is."""
+        if precisions is not None and any(p not in FIXED_PRECISIONS for p in precisions):
+            raise ValueError(f"precisions: expected two of {', '.join(FIXED_PRECISIONS)}, got {precisions!r}")
+        self.trial = None if precisions is None else tuple(precisions)
+
     def precisions(self) -> Tuple[str, str]:
         """``(forward, backward)`` in force for the ``"auto"`` directions."""
+        if self.trial is not None:
+            return self.trial
         if self.choice is None:
             return "fp32", "fp32"
         return self.choice.forward, self.choice.backward

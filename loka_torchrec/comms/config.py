@@ -42,6 +42,11 @@ class CommsConfig:
             values).
         kernel: ``"auto"`` (Triton on CUDA tensors when importable, else torch ops), ``"torch"``
             or ``"triton"``.
+        step_check_steps: when ``"auto"`` chose a compressed precision, check it in the training
+            step: blocks of this many step times with the choice and with fp32, alternating, once
+            Dispatch has made and judged its plan; the choice stays only if the step is faster
+            with it (:mod:`loka_torchrec.comms.step_check`). ``0``: keep the timing's choice
+            unchecked.
 
     Example::
 
@@ -62,6 +67,7 @@ class CommsConfig:
     block_size: int = 0
     scale_format: str = "fp32"
     kernel: str = "auto"
+    step_check_steps: int = 10
 
     def __post_init__(self) -> None:
         check_field_types(self, "CommsConfig")  # types first: a range check of a str fails deep inside
@@ -77,6 +83,8 @@ class CommsConfig:
             if value.lower() not in choices:
                 raise ValueError(f"CommsConfig.{name}: expected one of {', '.join(choices)}, got {value!r}")
             object.__setattr__(self, name, value.lower())
+        if self.step_check_steps < 0:
+            raise ValueError(f"CommsConfig.step_check_steps: expected 0 (no check) or a number of steps >= 1, got {self.step_check_steps}")
         if self.block_size < 0:
             raise ValueError(f"CommsConfig.block_size: expected 0 (one scale per embedding row) or a positive block, got {self.block_size}")
 

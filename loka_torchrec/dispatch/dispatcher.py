@@ -319,6 +319,14 @@ class Dispatcher(EvidenceConsumer):
         self._announce(f"{self.step_guard_reason} at step {step}")
         return verdict
 
+    @property
+    def judging_step_times(self) -> bool:
+        """Whether a decision still waits on step times: plan trials under way, or the step-time guard
+        collecting its trial of the FP8 plan in force. Other step-time checks (the comms') wait for it."""
+        if self._trials is not None and not self._trials.done:
+            return True
+        return self.step_guard_reason is None and self._fp8_running and self._guard.collecting
+
     def _tries_plans(self) -> bool:
         """Whether a policy plan is judged by plan trials (:mod:`~loka_torchrec.dispatch.plan_trials`):
         where the layers run compiled and the step-time guard is on."""

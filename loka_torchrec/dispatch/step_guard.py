@@ -88,6 +88,12 @@ class StepTimeGuard:
     def enabled(self) -> bool:
         return self.window > 0
 
+    @property
+    def collecting(self) -> bool:
+        """Whether a trial is under way: FP8 turned on with a baseline to compare against, no verdict yet
+        (the caller knows whether FP8 is on; this says the rest)."""
+        return self.enabled and not self._decided and len(self._baseline) >= max(1, self.window // 2)
+
     def restart(self) -> None:
         """A new plan: the next FP8 steps form a new trial (the bf16 baseline is kept)."""
         self._trial, self._skipped, self._decided = [], 0, False

@@ -1,0 +1,72 @@
+"""``train.dense_allreduce`` / ``train.ddp_bucket_cap_mb``: DDP's gradient all-reduce, as configured and as in force."""
+
+import json
+import os
+
+import pytest
+
+from loka_job.training.trainer import TrainConfig
+from multirank import run_job
+from small_job import SMALL_DLRM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_config_checks_the_dense_allreduce_settings():
+    assert TrainConfig().dense_allreduce == "fp32" and TrainConfig().ddp_bucket_cap_mb == 25
+    assert TrainConfig(dense_allreduce="bf16", ddp_bucket_cap_mb=4).dense_allreduce == "bf16"
+    with pytest.raises(ValueError, match="train.dense_allreduce: expected one of fp32, bf16, fp16, got 'int8'"):
+        TrainConfig(dense_allreduce="int8")
+    for bad in (0, 2.5, "25"):
+        with pytest.raises(ValueError, match="train.ddp_bucket_cap_mb: expected an int >= 1"):
+            TrainConfig(ddp_bucket_cap_mb=bad)
+
+
+def _job(tmp_path, *overrides):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = ["-m", "loka_job.train", *SMALL_DLRM, "data.eval_batches=2", "train.steps=4", *overrides]
+    return run_dir, run_job(command, env=env, cwd=ROOT, nproc=2, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_compression_hook_and_bucket_size_in_force_are_read_from_ddp(tmp_path):
+    """2 gloo ranks with the fp16 hook (gloo has no bf16 hook) and 1 MiB buckets: the summary reads them
+    back from the DDP module TorchRec built, and the run summary prints them."""
+    run_dir, proc = _job(tmp_path, "train.dense_allreduce=fp16", "train.ddp_bucket_cap_mb=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dense_allreduce"] == {
+        "precision": "fp16", "bucket_cap_mb": 1.0, "ddp": True, "comm_hooks": ["fp16_compress_hook"]
+    }  # fmt: skip
+    assert "dense all-reduce DDP (fp16_compress_hook), buckets of 1 MiB" in proc.stdout
+
+
+def test_bf16_on_a_cpu_is_refused_naming_the_field():
+    """PyTorch's bf16 hook needs NCCL: refused before any sharding work, with the field and the way out."""
+    import torch
+
+    from loka_job.training.sharding import shard_model
+
+    with pytest.raises(ValueError, match="train.dense_allreduce: bf16 needs CUDA and NCCL .* on cpu use fp16 or fp32"):
+        shard_model(torch.nn.Linear(2, 2), device=torch.device("cpu"), world_size=1, local_world_size=1, batch_size=8,
+                    embedding_lr=0.1, dense_allreduce="bf16")  # fmt: skip
+
+
+def test_dmp_collection_gets_the_ddp_wrapper_only_where_the_job_sets_it():
+    from loka_job.training.sharding import _dmp_collection_wrapper
+
+    class WithWrapper:
+        def __init__(self, module, data_parallel_wrapper=None):
+            pass
+
+    class WithoutWrapper:
+        def __init__(self, module):
+            pass
+
+    wrapper = object()
+    assert _dmp_collection_wrapper(WithoutWrapper, wrapper, "fp32", 25) == {}  # the default: nothing to pass
+    assert _dmp_collection_wrapper(WithWrapper, wrapper, "bf16", 25) == {"data_parallel_wrapper": wrapper}
+    assert _dmp_collection_wrapper(WithWrapper, wrapper, "fp32", 4) == {"data_parallel_wrapper": wrapper}
+    with pytest.raises(ValueError, match="train.dense_allreduce / train.ddp_bucket_cap_mb: TorchRec .* takes no data_parallel_wrapper"):
+        _dmp_collection_wrapper(WithoutWrapper, wrapper, "bf16", 25)
