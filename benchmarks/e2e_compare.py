@@ -44,6 +44,8 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   (CUDA, several ranks): ``plain_compile``, ``bf16_compile`` and ``loka_compile_default`` with the
   dense gradients' all-reduce in bf16 (``train.dense_allreduce=bf16``: PyTorch's compression hook
   through TorchRec's DDP wrapper), so that the dense comms' gain shows for every model alike;
+  ``plain_compile_auto_allreduce``, ``loka_compile_default_auto_allreduce``: the same with
+  ``train.dense_allreduce=auto`` (fp32 or bf16, whichever step is faster, checked in the run);
 * ``bf16_probed_compile_cudagraphs`` (not in the default list): ``bf16_compile_cudagraphs`` with the
   Probe on: it learns, measures the candidates and plans at the end of its warm-up as in
   ``loka_compile``, and Dispatch's static mode keeps every GEMM in bf16: what the learning leaves
@@ -185,8 +187,10 @@ _FP32_COMMS = ("loka.comms.forward=fp32", "loka.comms.backward=fp32")
 _BF16_AUTO_COMMS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
 _BF16 = (*_BF16_AUTO_COMMS, *_FP32_COMMS)
 _BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=all", *_FP32_COMMS)
-# DDP's dense gradient all-reduce in bf16 (PyTorch's compression hook through TorchRec), for any run.
+# DDP's dense gradient all-reduce in bf16 (PyTorch's compression hook through TorchRec), for any run;
+# or auto: fp32 or bf16, whichever step is faster (checked after LoKA's own step-time decisions).
 _BF16_ALLREDUCE = ("train.dense_allreduce=bf16",)
+_AUTO_ALLREDUCE = ("train.dense_allreduce=auto",)
 # Comms at the default ("auto": fp8 or fp32 per direction, from a timing of the run's all-to-all),
 # so the benchmark measures what a user gets.
 _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
@@ -259,6 +263,8 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("plain_compile_bf16_allreduce", (*_PLAIN, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("bf16_compile_bf16_allreduce", (*_BF16, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("loka_compile_default_bf16_allreduce", (*_LOKA, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
+        RunSpec("plain_compile_auto_allreduce", (*_PLAIN, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
+        RunSpec("loka_compile_default_auto_allreduce", (*_LOKA, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
     )
 }
 DEFAULT_RUNS = (
@@ -405,7 +411,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         # (5 + 50 steps later), whichever runs are listed: invocations with the same --steps and
         # --probe-warmup time the same steps, so their tables compare. Without loka runs, a
         # window that would not fit falls back to the second half.
-        args.window_start = max(args.steps // 2, args.probe_warmup + 80 + (comms_check_steps() if args.nproc > 1 else 0))
+        checks = 0
+        if args.nproc > 1:  # LoKA's comms check, then the dense all-reduce's where a run has one
+            checks = comms_check_steps() * (1 + any("train.dense_allreduce=auto" in run_spec(r).overrides for r in args.runs))
+        args.window_start = max(args.steps // 2, args.probe_warmup + 80 + checks)
         if args.window_start >= args.steps and not has_loka:
             args.window_start = args.steps // 2
     if not 0 < args.window_start < args.steps:
@@ -918,6 +927,11 @@ def comms_section(records: List[Dict[str, Any]]) -> List[str]:
         per, exposed = c["ms_per_step"], c["exposed_ms_per_step"]
         dense = r.get("dense_allreduce") or {}
         hooks = ", ".join(dense.get("comm_hooks") or []) or "fp32 (no hook)"
+        if dense.get("auto"):
+            verdict = dense["auto"].get("verdict")
+            hooks = f"auto: {dense['auto']['in_force']}" + (
+                f" ({dense['auto']['candidate']} {verdict['chosen_ms']:.2f} vs fp32 {verdict['fp32_ms']:.2f} ms)" if verdict else " (not checked)"
+            )
         bucket = f"{dense['bucket_cap_mb']:g} MiB" if dense.get("bucket_cap_mb") else "n/a"
         a2a = " / ".join(_fmt(per["all_to_all"][phase], ".2f") for phase in ("forward", "backward", "outside"))
         lines.append(

@@ -36,6 +36,8 @@ __all__ = ["main", "run"]
 logger = logging.getLogger("loka_job.train")
 
 
+
+
 def run(cfg: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
     """Train with a resolved recipe (a plain dict) and return the summary (rank 0's is printed).
 
@@ -180,6 +182,17 @@ def _peer_timeout(message: str, missing: List[int]) -> None:
     exit_process(EXIT_ERROR)
 
 
+def auto_allreduce_words(auto) -> str:
+    """``train.dense_allreduce=auto``'s state in words: the precision in force and how it was decided."""
+    verdict = auto.get("verdict")
+    if verdict:
+        return (f"{auto['in_force']} in force ({auto['candidate']} step {verdict['chosen_ms']:.2f} ms vs fp32 "
+                f"{verdict['fp32_ms']:.2f} ms, {verdict['steps_per_arm']} steps each)")  # fmt: skip
+    if auto.get("started"):
+        return f"being checked ({auto['candidate']} vs fp32), {auto['in_force']} now"
+    return f"fp32 until checked against {auto['candidate']} (after LoKA's decisions)"
+
+
 def format_summary(s: Dict[str, Any]) -> str:
     def f(v, spec=".4f"):
         return format(v, spec) if isinstance(v, (int, float)) and v is not None else "n/a"
@@ -230,9 +243,10 @@ def format_summary(s: Dict[str, Any]) -> str:
     dense_allreduce = s.get("dense_allreduce")
     if dense_allreduce and dense_allreduce.get("ddp") and s.get("world_size", 1) > 1:
         hooks = ", ".join(dense_allreduce["comm_hooks"]) or "no hook: fp32"
-        lines.append(
-            f"dense all-reduce DDP ({hooks}), buckets of {dense_allreduce['bucket_cap_mb']:g} MiB"
-        )
+        auto = dense_allreduce.get("auto")
+        if auto:
+            hooks += f": auto, {auto_allreduce_words(auto)}"
+        lines.append(f"dense all-reduce DDP ({hooks}), buckets of {dense_allreduce['bucket_cap_mb']:g} MiB")
     comms = (s.get("profile") or {}).get("comms")
     if comms and s.get("world_size", 1) > 1:
         per = comms["ms_per_step"]

@@ -195,6 +195,15 @@ class Loka:
                         and (self.probe is not None or dispatcher.config.evidence != "probe"))  # fmt: skip
         return not plan_pending and not dispatcher.judging_step_times
 
+    def step_times_free(self) -> bool:
+        """Whether no decision of LoKA needs step times now (Dispatch's plan made and judged, the comms
+        check done or not needed): a job's own step-time comparison may run without confounding them.
+        Always true with LoKA off."""
+        if not self.enabled:
+            return True
+        checking = self.comms_checker is not None and not self.comms_checker.check.done
+        return not checking and self._step_times_free()
+
     def _observe_step_time(self, step: int, step_ms: float) -> None:
         """A step's time goes to the comms check while it runs (one of its arms), else to Dispatch."""
         checker = self.comms_checker

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from loka_job.training.trainer import TrainConfig
 from multirank import run_job
@@ -15,8 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_train_config_checks_the_dense_allreduce_settings():
     assert TrainConfig().dense_allreduce == "fp32" and TrainConfig().ddp_bucket_cap_mb == 25
     assert TrainConfig(dense_allreduce="bf16", ddp_bucket_cap_mb=4).dense_allreduce == "bf16"
-    with pytest.raises(ValueError, match="train.dense_allreduce: expected one of fp32, bf16, fp16, got 'int8'"):
+    assert TrainConfig(dense_allreduce="auto", dense_allreduce_check_steps=3).dense_allreduce_check_steps == 3
+    with pytest.raises(ValueError, match="train.dense_allreduce: expected one of fp32, bf16, fp16, auto, got 'int8'"):
         TrainConfig(dense_allreduce="int8")
+    with pytest.raises(ValueError, match="train.dense_allreduce_check_steps: expected an int >= 1"):
+        TrainConfig(dense_allreduce_check_steps=0)
     for bad in (0, 2.5, "25"):
         with pytest.raises(ValueError, match="train.ddp_bucket_cap_mb: expected an int >= 1"):
             TrainConfig(ddp_bucket_cap_mb=bad)
@@ -70,3 +74,58 @@ def test_dmp_collection_gets_the_ddp_wrapper_only_where_the_job_sets_it():
     assert _dmp_collection_wrapper(WithWrapper, wrapper, "fp32", 4) == {"data_parallel_wrapper": wrapper}
     with pytest.raises(ValueError, match="train.dense_allreduce / train.ddp_bucket_cap_mb: TorchRec .* takes no data_parallel_wrapper"):
         _dmp_collection_wrapper(WithoutWrapper, wrapper, "bf16", 25)
+
+
+class _FakeDdp:
+    def __init__(self):
+        self.hooks = []
+
+    def register_comm_hook(self, state, hook):
+        self.hooks.append((state, hook))
+
+
+def test_auto_starts_in_fp32_waits_for_loka_and_keeps_the_faster_precision():
+    from loka_job.training.dense_allreduce import DenseAllreduceCheck, compressed_candidate, install
+
+    ddp = _FakeDdp()
+    switch = install(ddp, "fp16")
+    (state, hook), = ddp.hooks
+    assert state is None and hook.__qualname__.endswith("switchable_allreduce_hook") and switch.precision == "fp32"
+    check = DenseAllreduceCheck(switch, block=2)
+    check.observe(1, 10.0, ready=False)  # LoKA still needs step times: nothing starts
+    assert not check.started and switch.precision == "fp32"
+    check.observe(2, None, ready=True)  # an untimed step does not start it either
+    check.observe(3, 10.0, ready=True)
+    assert check.started and switch.precision == "fp16"  # the first block: the candidate
+    seen, step = [], 3
+    while check.verdict is None:
+        step += 1
+        seen.append(switch.precision)
+        check.observe(step, 9.0 if switch.precision == "fp16" else 10.0, ready=True)
+    assert seen == ["fp16"] * 4 + ["fp32"] * 8 + ["fp16"] * 4  # 2 settling + 2 timed steps per block
+    assert check.verdict.keep_chosen and switch.precision == "fp16"
+    assert check.summary() == {"candidate": "fp16", "in_force": "fp16", "started": True,
+                               "verdict": {"step": step, "chosen_ms": 9.0, "fp32_ms": 10.0, "keep_chosen": True, "steps_per_arm": 4}}
+    resumed = DenseAllreduceCheck(install(_FakeDdp(), "fp16"), block=2)
+    resumed.load_state_dict(check.state_dict())
+    assert resumed.switch.precision == "fp16" and resumed.check.done
+    assert compressed_candidate(torch.device("cpu")) == "fp16"
+    with pytest.raises(ValueError, match="compressed: expected one of bf16, fp16"):
+        install(_FakeDdp(), "fp8")
+
+
+@pytest.mark.slow
+def test_auto_in_a_two_rank_job_checks_both_precisions_and_reports_the_one_in_force(tmp_path):
+    """LoKA off (nothing else needs step times): from the first timed step, 4 blocks of 2 settling + 2
+    timed steps, fp16 (gloo) against fp32, then the faster; both hooks really ran (training went on)."""
+    run_dir, proc = _job(tmp_path, "loka.enabled=false", "train.dense_allreduce=auto", "train.dense_allreduce_check_steps=2",
+                         "train.steps=22")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    dense = summary["dense_allreduce"]
+    assert dense["precision"] == "auto" and dense["comm_hooks"] == ["switchable_allreduce_hook"]
+    auto = dense["auto"]
+    verdict = auto["verdict"]
+    assert verdict is not None and verdict["steps_per_arm"] == 4
+    assert auto["in_force"] == ("fp16" if verdict["chosen_ms"] <= 0.99 * verdict["fp32_ms"] else "fp32")
+    assert f"dense all-reduce DDP (switchable_allreduce_hook: auto, {auto['in_force']} in force (fp16 step" in proc.stdout

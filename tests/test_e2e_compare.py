@@ -509,3 +509,14 @@ def test_comms_section_shows_the_collectives_of_multi_rank_runs_only():
     assert "| r | plain_compile | 0 | fp32 (TorchRec) | bf16_compress_hook, 25 MiB | 1.00 / 2.00 / 3.00 | 20.00 | 0.00 | 2.50 / 1.50 / 4.00 | 5.0 |" in lines
     assert not any("| bf16_compile |" in line for line in lines)
     assert e2e.comms_section([single]) == []
+
+
+def test_the_default_window_waits_for_the_step_checks_of_several_ranks():
+    e2e = _driver()
+    check = e2e.comms_check_steps()
+    assert check == 4 * (2 + 10)  # 4 blocks of 2 settling + 10 timed steps at CommsConfig's default
+    window = lambda nproc, runs: e2e.parse_args(["--nproc", str(nproc), "--steps", "400", "--probe-warmup", "100",
+                                                 "--runs", runs]).window_start  # fmt: skip
+    assert window(1, "loka_compile") == 200  # one rank: no comms check
+    assert window(4, "loka_compile") == 100 + 80 + check
+    assert window(4, "loka_compile,plain_compile_auto_allreduce") == 100 + 80 + 2 * check

@@ -89,10 +89,17 @@ def test_two_rank_training_with_loka_learns_and_logs(tmp_path):
     comms = json.loads((run_dir / "comms_plan.json").read_text())
     choice = comms["choice"]
     assert choice["world_size"] == 2 and choice["decided"] == ["forward", "backward"] and not comms["restored"]
+    # The timing's choice; where it chose fp8, the step check (run once the plan is judged, 48 steps)
+    # keeps it only if the training step was faster with it, and says so.
+    verdict = (choice.get("step_check") or {}).get("verdict")
     for direction in ("forward", "backward"):
         times = choice["times_ms"][direction]
         assert set(times) == {"fp32", "fp8"} and all(t > 0 for t in times.values())
-        assert comms[direction] == ("fp8" if times["fp8"] < times["fp32"] else "fp32")
+        timed = "fp8" if times["fp8"] < times["fp32"] else "fp32"
+        if verdict is not None and timed == "fp8":
+            assert choice["step_check"]["chosen"][direction] == "fp8"
+            timed = "fp8" if verdict["keep_chosen"] else "fp32"
+        assert comms[direction] == timed
     payload = choice["payload"]  # the job's batch size, 2 warm-up and 5 timed runs per candidate
     assert (payload["rows_per_rank"], payload["warmup"], payload["reps"]) == (128, 2, 5)
     assert payload["values_per_rank"] == 128 * payload["width"] * 2

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from loka_job.baselines import BaselineConfig
 from loka_torchrec.compile import (
@@ -36,6 +37,8 @@ from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
 from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
+from loka_job.training.dense_allreduce import DenseAllreduceCheck, compressed_candidate
+from loka_job.training.dense_allreduce import install as install_allreduce_switch
 from loka_job.training.sharding import dense_allreduce_in_force
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job", "check_baseline_vs_loka", "step_time_stats"]
@@ -43,7 +46,7 @@ __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job"
 logger = logging.getLogger("loka_job.train")
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16}  # train.autocast -> torch.autocast dtype
-DENSE_ALLREDUCE_PRECISIONS = ("fp32", "bf16", "fp16")  # train.dense_allreduce
+DENSE_ALLREDUCE_PRECISIONS = ("fp32", "bf16", "fp16", "auto")  # train.dense_allreduce
 
 
 def check_baseline_vs_loka(baseline: BaselineConfig, loka: LokaConfig) -> None:
@@ -137,8 +140,13 @@ class TrainConfig:
         dense_allreduce: what DDP sends in the dense gradients' all-reduce: ``fp32`` (default:
             the gradients as they are), ``bf16`` or ``fp16`` (PyTorch's compression hooks, which
             TorchRec's ``DefaultDataParallelWrapper`` registers: half the bytes on the wire, the
-            sum rounded to 16 bits before it is averaged). Independent of LoKA: it changes the
-            user's job and LoKA's alike, and reports say which ran.
+            sum rounded to 16 bits before it is averaged), or ``auto``: fp32 or compressed (bf16
+            on CUDA, fp16 elsewhere), whichever makes the training step faster, checked in the step
+            once LoKA needs no step times (:mod:`loka_job.training.dense_allreduce`; blocks of
+            ``dense_allreduce_check_steps``). Independent of LoKA: it changes the user's job and
+            LoKA's alike, and reports say which ran.
+        dense_allreduce_check_steps: with ``dense_allreduce=auto``, step times per block of the check
+            (4 blocks, each after 2 settling steps).
         ddp_bucket_cap_mb: DDP's gradient bucket size in MiB (TorchRec's default 25): smaller
             buckets start the all-reduce earlier in the backward, larger ones send fewer messages.
         sync_every: with ``sharding_group_size``, average the embedding replicas (weights and
@@ -204,6 +212,7 @@ class TrainConfig:
     profile_trace: bool = False
     sharding_group_size: Optional[int] = None
     dense_allreduce: str = "fp32"
+    dense_allreduce_check_steps: int = 10
     ddp_bucket_cap_mb: int = 25
     sync_every: int = 1
     deterministic: bool = False
@@ -249,6 +258,10 @@ class TrainConfig:
         if self.dense_allreduce not in DENSE_ALLREDUCE_PRECISIONS:
             raise ValueError(
                 f"train.dense_allreduce: expected one of {', '.join(DENSE_ALLREDUCE_PRECISIONS)}, got {self.dense_allreduce!r}"
+            )
+        if type(self.dense_allreduce_check_steps) is not int or self.dense_allreduce_check_steps < 1:
+            raise ValueError(
+                f"train.dense_allreduce_check_steps: expected an int >= 1 (steps per block), got {self.dense_allreduce_check_steps!r}"
             )
         if type(self.ddp_bucket_cap_mb) is not int or self.ddp_bucket_cap_mb < 1:
             raise ValueError(f"train.ddp_bucket_cap_mb: expected an int >= 1 (MiB), got {self.ddp_bucket_cap_mb!r}")
@@ -427,9 +440,10 @@ class Trainer:
             embedding_lr=train_config.embedding_lr,
             sharders=sharders,
             sharding_group_size=train_config.sharding_group_size,
-            dense_allreduce=train_config.dense_allreduce,
+            dense_allreduce="fp32" if train_config.dense_allreduce == "auto" else train_config.dense_allreduce,
             ddp_bucket_cap_mb=train_config.ddp_bucket_cap_mb,
         )
+        self.dense_check = self._dense_allreduce_check(train_config)
         # 4. Dense optimizer + the fused embedding optimizer behind one interface.
         def make_dense_optimizer(params) -> torch.optim.Adagrad:
             self.dense_optimizer = dense_adagrad(
@@ -552,6 +566,9 @@ class Trainer:
             else:
                 step_times.append(seconds)
                 timed_steps.append(step)
+            if self.dense_check is not None:  # the same steps on every rank: LoKA's decisions are agreed
+                ready = self.loka is None or self.loka.step_times_free()
+                self.dense_check.observe(step, None if profiled or not timed else 1e3 * seconds, ready=ready)
             allocated_gib = torch.cuda.memory_allocated(self.ctx.device) / 2**30 if cuda else None  # host-side: no sync
             if allocated_gib is not None:
                 growing = self.memory_trend.observe(step, allocated_gib)
@@ -619,7 +636,8 @@ class Trainer:
             "autocast": cfg.autocast,
             "sharding_group_size": cfg.sharding_group_size,
             "dense_allreduce": {
-                "precision": cfg.dense_allreduce, "bucket_cap_mb": cfg.ddp_bucket_cap_mb, **dense_allreduce_in_force(self.model)
+                "precision": cfg.dense_allreduce, "bucket_cap_mb": cfg.ddp_bucket_cap_mb, **dense_allreduce_in_force(self.model),
+                **({} if self.dense_check is None else {"auto": self.dense_check.summary()}),
             },  # fmt: skip
             "sync_every": cfg.sync_every if cfg.sharding_group_size is not None else None,
             "deterministic": cfg.deterministic,
@@ -756,6 +774,15 @@ class Trainer:
         text = plan.table()
         (bar.write if bar is not None else print)(text)
 
+    def _dense_allreduce_check(self, cfg: TrainConfig) -> Optional[DenseAllreduceCheck]:
+        """``train.dense_allreduce=auto``: the switchable hook on TorchRec's DDP module and its check
+        (``None`` otherwise, or where no DDP all-reduces anything: one rank, no dense parameters)."""
+        ddp = getattr(self.model, "_dmp_wrapped_module", None)
+        if cfg.dense_allreduce != "auto" or self.ctx.world_size == 1 or not isinstance(ddp, DistributedDataParallel):
+            return None
+        switch = install_allreduce_switch(ddp, compressed_candidate(self.ctx.device))
+        return DenseAllreduceCheck(switch, block=cfg.dense_allreduce_check_steps)
+
     # ------------------------------------------------------------------ state
     def state(self, step: int) -> Dict[str, Any]:
         """This rank's checkpoint: model, optimizers, history and every decision of the run so far
@@ -769,6 +796,8 @@ class Trainer:
         }
         if self.loka is not None:
             state["loka"] = self.loka.state_dict()
+        if self.dense_check is not None:
+            state["dense_allreduce_check"] = self.dense_check.state_dict()
         return state
 
     def save(self, step: int) -> str:
@@ -799,6 +828,8 @@ class Trainer:
         self.history = list(state.get("history", []))
         if "nonfinite" in state:
             self.nonfinite.load_state_dict(state["nonfinite"])
+        if self.dense_check is not None and state.get("dense_allreduce_check"):
+            self.dense_check.load_state_dict(state["dense_allreduce_check"])
         if self.loka is not None and "loka" in state:
             saved = state["loka"]
             comms = dataclasses.asdict(self.loka_cfg.comms)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 
-__all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckVerdict"]
+__all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckVerdict", "agreed_medians"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,19 @@ class CommsStepCheck:
         self.verdict = None if state.get("verdict") is None else StepCheckVerdict(**state["verdict"])
 
 
+def agreed_medians(check: CommsStepCheck, process_group: Any = None) -> List[float]:
+    """The medians of ``check``'s arms (:data:`ARMS` order), the largest over the ranks of
+    ``process_group`` (a collective; one process: its own), so that every rank judges alike."""
+    medians = [statistics.median(check.samples[arm]) for arm in ARMS]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return medians
+    backend = str(dist.get_backend(process_group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
+    return agreed.tolist()
+
+
 class CommsStepChecker:
     """Runs a :class:`CommsStepCheck` of the choice in ``selection`` (see the module docstring).
 
@@ -192,18 +205,8 @@ class CommsStepChecker:
     def _apply_arm(self) -> None:
         self.selection.try_precisions(("fp32", "fp32") if self.check.arm == "fp32" else None)
 
-    def _agreed_medians(self) -> List[float]:
-        medians = [statistics.median(self.check.samples[arm]) for arm in ARMS]
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.process_group) == 1:
-            return medians
-        backend = str(dist.get_backend(self.process_group))
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        agreed = torch.tensor(medians, dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
-        return agreed.tolist()
-
     def _finish(self, step: int) -> None:
-        chosen_ms, fp32_ms = self._agreed_medians()
+        chosen_ms, fp32_ms = agreed_medians(self.check, self.process_group)
         verdict = self.check.judge(step, chosen_ms, fp32_ms)
         choice = self.selection.choice
         record = {"chosen": {d: getattr(choice, d) for d in choice.decided}, "verdict": dataclasses.asdict(verdict)}
