@@ -8,4 +8,4 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup_env.sh"
 cd "$root"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 "$@"
+exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --durations=15 "$@"
