@@ -10,6 +10,9 @@ Top level UX:
   (``prepare`` calls it; use it alone for static plans or models outside a training loop).
 * :func:`plain_modules` -- a converted model back to plain ``nn.Linear`` layers and modules,
   sharing its Parameters, for serving (the model mods stay: they change the architecture).
+* :func:`inference_modules` -- the serving form: the layers whose forward GEMM ran FP8 in training
+  keep it (weights quantized once, ``torch._scaled_mm``), the rest plain; ``torch.export``-able
+  (:mod:`loka_torchrec.inference`).
 
 Configuration: :class:`LokaConfig` (most jobs take a recipe: ``LokaConfig.from_recipe("default")``,
 :class:`LokaRecipe`), holding each capability's frozen dataclass
@@ -26,8 +29,12 @@ from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.config import LokaConfig, LokaRecipe
 from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.inference import inference_modules
 from loka_torchrec.plain import plain_modules
 from loka_torchrec.prepare import Loka, prepare
 
-__all__ = ["ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "LokaRecipe", "apply", "plain_modules", "prepare"]
+__all__ = [
+    "ApplyReport", "DispatchConfig", "Loka", "LokaConfig", "LokaLinear", "LokaRecipe", "apply", "inference_modules", "plain_modules",
+    "prepare",
+]  # fmt: skip
 __version__ = "0.1.0"

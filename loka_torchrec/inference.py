@@ -1,0 +1,204 @@
+"""``inference_modules``: a trained model for serving, with the FP8 layers that training kept in FP8.
+
+After training, each :class:`~loka_torchrec.LokaLinear` runs its forward GEMM on the kernel that is
+in force (the plan, less what the safety valve, the step-time guard and the checks returned to
+bf16). :func:`inference_modules` turns the model into one that runs that forward alone:
+
+* a layer whose forward GEMM is FP8 with tensorwise or rowwise scaling becomes an
+  :class:`Fp8InferenceLinear`: its weight quantized once (E4M3, the plan's granularity, K and N
+  zero-padded to multiples of 16 as ``torch._scaled_mm`` on CUDA wants), its input quantized per
+  call from its own amax (dynamic scaling), the GEMM ``torch._scaled_mm`` with the plan's
+  accumulation (``_fast_accum`` or not) whatever backend trained it (the same operands and
+  scales: the codes are the backends' common format);
+* every other layer becomes a plain ``nn.Linear`` (bf16 under the caller's autocast), and the
+  modules whose own Parameters LoKA reached run their own ``forward`` again
+  (:func:`~loka_torchrec.plain_modules`); blockwise FP8 layers and the output projection of an
+  ``nn.MultiheadAttention`` (which reads the weight itself) stay high precision here, with the
+  reason in the report;
+* the mods stay: the model keeps the architecture it trained with.
+
+The result holds only torch modules and aten ops in its forward, so ``torch.export`` captures it and
+a process without this project loads it (``torch.export.load``): see :func:`export_program`.
+
+Not yet: static activation scales from the Probe's statistics, kernels chosen by timing at serving
+batch sizes, and the embedding tables (served by TorchRec's own inference path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loka_torchrec.dispatch.linear import LokaLinear
+from loka_torchrec.evidence import GemmRole
+from loka_torchrec.fp8 import Granularity, quantize
+from loka_torchrec.gemm.recipes import RECIPE_GRANULARITY, split_fast_accum
+from loka_torchrec.plain import plain_modules
+
+__all__ = ["Fp8InferenceLinear", "InferenceReport", "export_program", "inference_modules"]
+
+ALIGNMENT = 16
+"""K and N of every exported FP8 weight are padded to a multiple of this (``torch._scaled_mm`` on CUDA)."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Fp8InferenceLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` stored in FP8 (E4M3) and ``x`` quantized per call; forward only.
+
+    Args:
+        weight: ``(out_features, in_features)``, quantized here (then no longer needed).
+        bias: ``(out_features,)`` or ``None``; kept in float32.
+        granularity: ``"tensorwise"`` (one scale per tensor) or ``"rowwise"`` (one per row of the
+            input and one per output feature).
+        fast_accum: ``torch._scaled_mm``'s ``use_fast_accum``.
+
+    Example::
+
+        >>> layer = Fp8InferenceLinear(torch.randn(32, 64), torch.zeros(32), "rowwise")
+        >>> layer(torch.randn(4, 64)).shape, layer.weight_fp8.dtype
+        (torch.Size([4, 32]), torch.float8_e4m3fn)
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str, fast_accum: bool = False) -> None:
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"weight: expected (out_features, in_features), got shape {tuple(weight.shape)}")
+        if granularity not in ("tensorwise", "rowwise"):
+            raise ValueError(f"granularity: expected tensorwise or rowwise, got {granularity!r}")
+        self.out_features, self.in_features = weight.shape
+        self.granularity = granularity
+        self.fast_accum = bool(fast_accum)
+        n_pad = _round_up(self.out_features, ALIGNMENT) - self.out_features
+        k_pad = _round_up(self.in_features, ALIGNMENT) - self.in_features
+        padded = F.pad(weight.detach().float(), (0, k_pad, 0, n_pad))
+        q = quantize(padded, "e4m3", granularity, name="weight")
+        self.register_buffer("weight_fp8", q.data)
+        # (N, 1) per output feature for rowwise: as _scaled_mm's scale_b it is read as (1, N)
+        self.register_buffer("weight_scale", q.dequant_scale if granularity == "tensorwise" else q.dequant_scale.t().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        k_pad = self.weight_fp8.shape[1] - self.in_features
+        if k_pad:
+            x2 = F.pad(x2, (0, k_pad))
+        q = quantize(x2.float(), "e4m3", self.granularity, nonfinite="propagate", name="input")
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        mm_dtype = torch.bfloat16 if (x.is_cuda and self.granularity == "rowwise") else out_dtype
+        out = torch._scaled_mm(
+            q.data, self.weight_fp8.t(), scale_a=q.dequant_scale, scale_b=self.weight_scale, out_dtype=mm_dtype,
+            use_fast_accum=self.fast_accum,
+        )  # fmt: skip
+        out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(out_dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        accum = ", fast_accum" if self.fast_accum else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.granularity}{accum}"
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceReport:
+    """What :func:`inference_modules` made of each converted layer.
+
+    Attributes:
+        fp8: ``{layer name: "rowwise" | "tensorwise" (+ "_fast_accum")}``: the layers now FP8.
+        high_precision: ``{layer name: why}``: the layers now plain ``nn.Linear``.
+    """
+
+    fp8: Dict[str, str]
+    high_precision: Dict[str, str]
+
+    def summary(self) -> str:
+        total = len(self.fp8) + len(self.high_precision)
+        return f"{len(self.fp8)}/{total} linear layers in FP8 for inference, {len(self.high_precision)} in high precision"
+
+
+def _fp8_forward(layer: LokaLinear) -> Tuple[Optional[str], bool, str]:
+    """``(granularity, fast_accum, why)`` of the layer's forward GEMM in force; granularity ``None``
+    where it does not run FP8 here (``why`` says why)."""
+    choice = layer.kernels.for_role(GemmRole.FORWARD)
+    if choice.is_high_precision:
+        return None, False, "its forward GEMM runs in high precision"
+    _, fast_accum = split_fast_accum(choice.recipe)
+    granularity = RECIPE_GRANULARITY.get(choice.recipe)
+    if granularity not in (Granularity.TENSORWISE, Granularity.ROWWISE):
+        return None, False, f"{choice}: torch._scaled_mm takes tensorwise or rowwise scales only"
+    return granularity.value, fast_accum, str(choice)
+
+
+def inference_modules(model: nn.Module) -> InferenceReport:
+    """Turn a trained, LoKA-converted ``model`` into its serving form, in place (module docstring).
+
+    Call it after training (after ``loka.close()``), on the unsharded dense modules or the whole
+    unwrapped model; the model is put in eval mode. A model without LoKA layers is left as it is.
+
+    Args:
+        model: the model :func:`loka_torchrec.prepare` or :func:`loka_torchrec.apply` converted.
+
+    Returns:
+        :class:`InferenceReport`: which layers run FP8 now, and why the others do not.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or is itself one ``LokaLinear`` (convert its parent).
+    """
+    if not isinstance(model, nn.Module) or isinstance(model, LokaLinear):
+        raise TypeError(f"model: expected the module holding the LoKA layers, got {type(model).__name__}")
+    fp8: Dict[str, str] = {}
+    high: Dict[str, str] = {}
+    made: Dict[int, nn.Module] = {}  # one replacement per layer object: a shared layer stays shared
+    for fqn, module in list(model.named_modules(remove_duplicate=False)):
+        if not isinstance(module, LokaLinear):
+            continue
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if id(module) not in made:
+            granularity, fast_accum, why = _fp8_forward(module)
+            if isinstance(parent, nn.MultiheadAttention):
+                granularity, why = None, "nn.MultiheadAttention reads its weight directly, not through its forward"
+            if granularity is None:
+                made[id(module)] = module.to_linear()
+                high[fqn] = why
+            else:
+                made[id(module)] = Fp8InferenceLinear(module.weight, module.bias, granularity, fast_accum=fast_accum)
+                fp8[fqn] = granularity + ("_fast_accum" if fast_accum else "")
+        setattr(parent, child, made[id(module)])
+    plain_modules(model)  # the reached Parameter GEMMs (scopes): their own forward again
+    model.eval()
+    return InferenceReport(fp8, high)
+
+
+def export_program(model: nn.Module, example_args: Sequence, path: str, *, dynamic_batch: bool = True):
+    """``torch.export`` ``model`` (after :func:`inference_modules`) with ``example_args`` and save it
+    to ``path``; ``torch.export.load(path).module()`` runs it in a process without this project.
+
+    Args:
+        model: the serving model.
+        example_args: positional tensors of one call.
+        path: where the program goes (``.pt2``).
+        dynamic_batch: the first dim of every example tensor may vary (serving batch sizes).
+
+    Returns:
+        The ``ExportedProgram``.
+    """
+    from torch.export import Dim, export, save
+
+    args = tuple(example_args)
+    dynamic_shapes = None
+    if dynamic_batch:
+        batch = Dim("batch", min=1)
+        dynamic_shapes = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
+    program = export(model.eval(), args, dynamic_shapes=dynamic_shapes)
+    save(program, path)
+    return program
+

@@ -1,0 +1,139 @@
+"""``loka_torchrec.inference``: the serving form of a trained model, its numerics, and its export."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import loka_torchrec
+from loka_torchrec import DispatchConfig
+from loka_torchrec.dispatch.layer_kernels import LayerKernels
+from loka_torchrec.evidence import BF16, KernelChoice
+from loka_torchrec.fp8.error_metrics import sqnr_db
+from loka_torchrec.inference import Fp8InferenceLinear, export_program, inference_modules
+from test_plain_modules import Tower
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("shape", [(48, 64), (10, 37)])  # aligned, and K, N padded to 16
+def test_an_fp8_layer_against_float64_within_the_formats_error(granularity, shape):
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    weight, bias, x = torch.randn(out_features, in_features), torch.randn(out_features), torch.randn(3, 5, in_features)
+    layer = Fp8InferenceLinear(weight, bias, granularity)
+    assert layer.weight_fp8.shape == (-(-out_features // 16) * 16, -(-in_features // 16) * 16)
+    y = layer(x)
+    ref = x.double() @ weight.double().t() + bias.double()
+    assert y.shape == (3, 5, out_features) and y.dtype == torch.float32
+    # both operands E4M3 (3 mantissa bits: relative rounding up to 2^-4 each): about 30 dB; 25 dB is the bound
+    assert sqnr_db(y.double() - bias.double(), ref - bias.double()) >= 25.0
+    with pytest.raises(ValueError, match="granularity: expected tensorwise or rowwise"):
+        Fp8InferenceLinear(weight, bias, "blockwise")
+
+
+def test_a_nonfinite_input_row_gives_nan_never_a_finite_value():
+    layer = Fp8InferenceLinear(torch.randn(16, 16), None, "rowwise")
+    x = torch.randn(2, 16)
+    x[1, 3] = float("inf")
+    y = layer(x)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+def _trained_tower(plan_mode="all:scaled_mm:rowwise"):
+    torch.manual_seed(0)
+    model = Tower()
+    loka_torchrec.apply(model, DispatchConfig(mode=plan_mode))
+    return model
+
+
+def test_an_fp8_layer_quantizes_as_the_trained_layer_did():
+    """The same codes and scales as the trained LokaLinear's forward (current scaling), so the same output."""
+    model = _trained_tower()
+    layer, h = model.mlp[0], torch.randn(20, 16)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(Fp8InferenceLinear(layer.weight, layer.bias, "rowwise")(h), layer(h), rtol=0, atol=1e-6)
+
+
+def test_the_serving_model_runs_what_training_ran_in_fp8_and_the_rest_plain():
+    model = _trained_tower()
+    model.mlp[2].set_kernels(LayerKernels.uniform(BF16))  # e.g. sent back to bf16 by the safety valve
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    report = inference_modules(model)
+    assert report.fp8 == {"mlp.0": "rowwise"}
+    assert set(report.high_precision) == {"mlp.2", "attn.out_proj"}
+    assert "runs in high precision" in report.high_precision["mlp.2"]
+    assert "reads its weight directly" in report.high_precision["attn.out_proj"]
+    assert report.summary() == "1/3 linear layers in FP8 for inference, 2 in high precision"
+    assert isinstance(model.mlp[0], Fp8InferenceLinear) and type(model.mlp[2]) is nn.Linear and not model.training
+    # The serving model is the plain model (its raw-Parameter GEMMs and attention run their own forward,
+    # in the caller's precision) with mlp.0 in FP8: built that way by hand, it computes the same.
+    expected = Tower().eval()
+    expected.load_state_dict(params)
+    expected.mlp[0] = Fp8InferenceLinear(expected.mlp[0].weight, expected.mlp[0].bias, "rowwise")
+    x = torch.randn(4, 5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected(x), rtol=0, atol=0)
+
+
+def test_blockwise_layers_stay_high_precision_with_the_reason_and_bad_input_is_refused():
+    model = _trained_tower()
+    model.mlp[0].set_kernels(LayerKernels.uniform(KernelChoice("emulated", "blockwise")))
+    report = inference_modules(model)
+    assert "torch._scaled_mm takes tensorwise or rowwise scales only" in report.high_precision["mlp.0"]
+    with pytest.raises(TypeError, match="model: expected the module holding the LoKA layers, got int"):
+        inference_modules(3)
+    with pytest.raises(TypeError, match="got LokaLinear"):
+        inference_modules(_trained_tower().mlp[0])
+    with pytest.raises(ValueError, match="weight: expected \\(out_features, in_features\\)"):
+        Fp8InferenceLinear(torch.randn(4), None, "rowwise")
+
+
+def test_the_exported_program_loads_and_runs_where_this_project_cannot_be_imported(tmp_path):
+    """torch.export of the serving model, loaded by a process in which importing loka_torchrec or
+    loka_job fails; its output equals the serving model's for another batch size."""
+    model = _trained_tower("all:scaled_mm:tensorwise")
+    inference_modules(model)
+    path = str(tmp_path / "tower.pt2")
+    export_program(model, (torch.randn(4, 5, 8),), path)
+    x = torch.randn(7, 5, 8)
+    torch.save(x, tmp_path / "x.pt")
+    with torch.no_grad():
+        torch.save(model(x), tmp_path / "y.pt")
+    blocker = tmp_path / "blocker"
+    for package in ("loka_torchrec", "loka_job"):
+        (blocker / package).mkdir(parents=True)
+        (blocker / package / "__init__.py").write_text(f"raise ImportError('{package} is not installed here')\n")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        program = torch.export.load({path!r})
+        y = program.module()(torch.load({str(tmp_path / "x.pt")!r}))
+        assert torch.equal(y, torch.load({str(tmp_path / "y.pt")!r})), (y - torch.load({str(tmp_path / "y.pt")!r})).abs().max()
+        assert not [m for m in sys.modules if m.startswith(("loka_torchrec", "loka_job"))]
+        print("ok", tuple(y.shape))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(blocker), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok (7, 5)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_on_cuda_in_bf16_within_the_formats_error_and_exported(granularity, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 300, device="cuda"), torch.randn(200, device="cuda")
+    layer = Fp8InferenceLinear(weight, bias, granularity, fast_accum=True)
+    x = torch.randn(512, 300, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    ref = x.double() @ weight.double().t()
+    assert sqnr_db((y.double() - bias.double()), ref) >= 25.0
+    program = export_program(layer, (x,), str(tmp_path / "layer.pt2"))
+    torch.testing.assert_close(program.module()(x[:100]), layer(x[:100]), rtol=0, atol=0)
