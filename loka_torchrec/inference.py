@@ -17,11 +17,18 @@ bf16). :func:`inference_modules` turns the model into one that runs that forward
   reason in the report;
 * the mods stay: the model keeps the architecture it trained with.
 
+**Input scales.** ``input_scaling="dynamic"`` (default) scales each call's input by its own amax.
+``"static"`` uses what training learned where it is safe: a tensorwise layer whose input amax over its
+last training calls (the history its delayed scaling keeps, ``GemmSite._amax_history``) stayed within
+``STABLE_AMAX_RATIO`` of its median gets a fixed scale from the largest of them; its casts then need no
+amax pass (a compiled model fuses them into the producer), and a serving input beyond that amax
+saturates to the format's maximum. Every other layer stays dynamic, and the report says why.
+
 The result holds only torch modules and aten ops in its forward, so ``torch.export`` captures it and
 a process without this project loads it (``torch.export.load``): see :func:`export_program`.
 
-Not yet: static activation scales from the Probe's statistics, kernels chosen by timing at serving
-batch sizes, and the embedding tables (served by TorchRec's own inference path).
+Not yet: kernels chosen by timing at serving batch sizes, and the embedding tables (served by
+TorchRec's own inference path).
 """
 
 from __future__ import annotations
@@ -39,10 +46,13 @@ from loka_torchrec.fp8 import Granularity, quantize
 from loka_torchrec.gemm.recipes import RECIPE_GRANULARITY, split_fast_accum
 from loka_torchrec.plain import plain_modules
 
-__all__ = ["Fp8InferenceLinear", "InferenceReport", "export_program", "inference_modules"]
+__all__ = ["Fp8InferenceLinear", "InferenceReport", "INPUT_SCALINGS", "STABLE_AMAX_RATIO", "export_program", "inference_modules"]
 
 ALIGNMENT = 16
 """K and N of every exported FP8 weight are padded to a multiple of this (``torch._scaled_mm`` on CUDA)."""
+STABLE_AMAX_RATIO = 1.5
+"""``input_scaling="static"``: a layer's recorded input amaxes must all be within this factor of their median."""
+INPUT_SCALINGS = ("dynamic", "static")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -58,6 +68,8 @@ class Fp8InferenceLinear(nn.Module):
         granularity: ``"tensorwise"`` (one scale per tensor) or ``"rowwise"`` (one per row of the
             input and one per output feature).
         fast_accum: ``torch._scaled_mm``'s ``use_fast_accum``.
+        input_amax: tensorwise only: scale every input by this amax (static; values beyond it
+            saturate) instead of each input's own (``None``: dynamic).
 
     Example::
 
@@ -66,12 +78,17 @@ class Fp8InferenceLinear(nn.Module):
         (torch.Size([4, 32]), torch.float8_e4m3fn)
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str, fast_accum: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str, fast_accum: bool = False,
+        input_amax: Optional[float] = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if weight.dim() != 2:
             raise ValueError(f"weight: expected (out_features, in_features), got shape {tuple(weight.shape)}")
         if granularity not in ("tensorwise", "rowwise"):
             raise ValueError(f"granularity: expected tensorwise or rowwise, got {granularity!r}")
+        if input_amax is not None and (granularity != "tensorwise" or not input_amax > 0 or input_amax == float("inf")):
+            raise ValueError(f"input_amax: a finite amax > 0, for tensorwise layers only; got {input_amax!r} ({granularity})")
         self.out_features, self.in_features = weight.shape
         self.granularity = granularity
         self.fast_accum = bool(fast_accum)
@@ -83,6 +100,8 @@ class Fp8InferenceLinear(nn.Module):
         # (N, 1) per output feature for rowwise: as _scaled_mm's scale_b it is read as (1, N)
         self.register_buffer("weight_scale", q.dequant_scale if granularity == "tensorwise" else q.dequant_scale.t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        amax = None if input_amax is None else torch.tensor(float(input_amax), dtype=torch.float32, device=weight.device)
+        self.register_buffer("input_amax", amax)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -90,7 +109,7 @@ class Fp8InferenceLinear(nn.Module):
         k_pad = self.weight_fp8.shape[1] - self.in_features
         if k_pad:
             x2 = F.pad(x2, (0, k_pad))
-        q = quantize(x2.float(), "e4m3", self.granularity, nonfinite="propagate", name="input")
+        q = quantize(x2.float(), "e4m3", self.granularity, nonfinite="propagate", name="input", amax=self.input_amax)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         mm_dtype = torch.bfloat16 if (x.is_cuda and self.granularity == "rowwise") else out_dtype
         out = torch._scaled_mm(
@@ -104,7 +123,8 @@ class Fp8InferenceLinear(nn.Module):
 
     def extra_repr(self) -> str:
         accum = ", fast_accum" if self.fast_accum else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.granularity}{accum}"
+        scaling = "dynamic" if self.input_amax is None else f"static input amax {float(self.input_amax):.4g}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.granularity}{accum}, {scaling}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +134,21 @@ class InferenceReport:
     Attributes:
         fp8: ``{layer name: "rowwise" | "tensorwise" (+ "_fast_accum")}``: the layers now FP8.
         high_precision: ``{layer name: why}``: the layers now plain ``nn.Linear``.
+        static_inputs: ``{layer name: input amax}``: FP8 layers with a static input scale.
+        dynamic_inputs: ``{layer name: why}``: FP8 layers left dynamic under ``input_scaling="static"``.
     """
 
     fp8: Dict[str, str]
     high_precision: Dict[str, str]
+    static_inputs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    dynamic_inputs: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         total = len(self.fp8) + len(self.high_precision)
-        return f"{len(self.fp8)}/{total} linear layers in FP8 for inference, {len(self.high_precision)} in high precision"
+        text = f"{len(self.fp8)}/{total} linear layers in FP8 for inference, {len(self.high_precision)} in high precision"
+        if self.static_inputs:
+            text += f"; {len(self.static_inputs)} with static input scales"
+        return text
 
 
 def _fp8_forward(layer: LokaLinear) -> Tuple[Optional[str], bool, str]:
@@ -137,7 +164,23 @@ def _fp8_forward(layer: LokaLinear) -> Tuple[Optional[str], bool, str]:
     return granularity.value, fast_accum, str(choice)
 
 
-def inference_modules(model: nn.Module) -> InferenceReport:
+def _static_input_amax(layer: LokaLinear, granularity: str) -> Tuple[Optional[float], str]:
+    """``(amax, "")`` for a static input scale from the layer's recorded input amaxes, or ``(None, why not)``."""
+    if granularity != "tensorwise":
+        return None, "rowwise: each row has its own scale"
+    history = getattr(layer, "_amax_history", None)
+    if history is None or not getattr(layer, "_history_seeded", False):
+        return None, "no input amax recorded in training"
+    amaxes = history[0][history[0] > 0].double()
+    if amaxes.numel() == 0 or not bool(torch.isfinite(amaxes).all()):
+        return None, "no finite input amax recorded in training"
+    high, median = float(amaxes.max()), float(amaxes.median())
+    if high > STABLE_AMAX_RATIO * median:
+        return None, f"input amax varied: largest {high:.4g} vs median {median:.4g} over {amaxes.numel()} calls"
+    return high, ""
+
+
+def inference_modules(model: nn.Module, *, input_scaling: str = "dynamic") -> InferenceReport:
     """Turn a trained, LoKA-converted ``model`` into its serving form, in place (module docstring).
 
     Call it after training (after ``loka.close()``), on the unsharded dense modules or the whole
@@ -145,17 +188,24 @@ def inference_modules(model: nn.Module) -> InferenceReport:
 
     Args:
         model: the model :func:`loka_torchrec.prepare` or :func:`loka_torchrec.apply` converted.
+        input_scaling: ``"dynamic"`` or ``"static"`` (where training's input amaxes were stable;
+            see the module docstring).
 
     Returns:
         :class:`InferenceReport`: which layers run FP8 now, and why the others do not.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or is itself one ``LokaLinear`` (convert its parent).
+        ValueError: ``input_scaling`` is not one of :data:`INPUT_SCALINGS`.
     """
     if not isinstance(model, nn.Module) or isinstance(model, LokaLinear):
         raise TypeError(f"model: expected the module holding the LoKA layers, got {type(model).__name__}")
+    if input_scaling not in INPUT_SCALINGS:
+        raise ValueError(f"input_scaling: expected one of {', '.join(INPUT_SCALINGS)}, got {input_scaling!r}")
     fp8: Dict[str, str] = {}
     high: Dict[str, str] = {}
+    static: Dict[str, float] = {}
+    dynamic: Dict[str, str] = {}
     made: Dict[int, nn.Module] = {}  # one replacement per layer object: a shared layer stays shared
     for fqn, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, LokaLinear):
@@ -170,12 +220,19 @@ def inference_modules(model: nn.Module) -> InferenceReport:
                 made[id(module)] = module.to_linear()
                 high[fqn] = why
             else:
-                made[id(module)] = Fp8InferenceLinear(module.weight, module.bias, granularity, fast_accum=fast_accum)
+                amax = None
+                if input_scaling == "static":
+                    amax, why_not = _static_input_amax(module, granularity)
+                    if amax is None:
+                        dynamic[fqn] = why_not
+                    else:
+                        static[fqn] = amax
+                made[id(module)] = Fp8InferenceLinear(module.weight, module.bias, granularity, fast_accum=fast_accum, input_amax=amax)
                 fp8[fqn] = granularity + ("_fast_accum" if fast_accum else "")
         setattr(parent, child, made[id(module)])
     plain_modules(model)  # the reached Parameter GEMMs (scopes): their own forward again
     model.eval()
-    return InferenceReport(fp8, high)
+    return InferenceReport(fp8, high, static, dynamic)
 
 
 def export_program(model: nn.Module, example_args: Sequence, path: str, *, dynamic_batch: bool = True):

@@ -137,3 +137,68 @@ def test_on_cuda_in_bf16_within_the_formats_error_and_exported(granularity, tmp_
     assert sqnr_db((y.double() - bias.double()), ref) >= 25.0
     program = export_program(layer, (x,), str(tmp_path / "layer.pt2"))
     torch.testing.assert_close(program.module()(x[:100]), layer(x[:100]), rtol=0, atol=0)
+
+
+def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_path):
+    """benchmarks/inference_throughput.py, DHEN small: eager bf16 and LoKA's serving form (every GEMM
+    forced to FP8) at two batch sizes; torchao's float8 inference is skipped with its reason."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "inference"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "inference_throughput.py"), "--preset", "small", "--batch-sizes", "8,32",
+           "--runs", "bf16,torchao_rowwise_compile,loka_export", "--mode", "all:scaled_mm:rowwise", "--device", "cpu",
+           "--reps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "inference.json").read_text())
+    rows = {(r["run"], r.get("batch")): r for r in result["rows"]}
+    assert rows[("torchao_rowwise_compile", None)]["status"] == "skipped" and "CUDA" in rows[("torchao_rowwise_compile", None)]["reason"]
+    for batch in (8, 32):
+        assert rows[("bf16", batch)]["sqnr_vs_bf16_db"] == "inf"  # the reference itself
+        loka = rows[("loka_export", batch)]
+        assert loka["fp8"].startswith("19/19 linear layers in FP8") and loka["median_ms"] > 0 and loka["rows_per_s"] > 0
+        assert 15.0 <= loka["sqnr_vs_bf16_db"] < 60.0  # FP8 noise through the whole network: present, and bounded
+    assert "| loka_export | 32 |" in (tmp_path / "inference.md").read_text()
+    bad = subprocess.run([sys.executable, cmd[1], "--runs", "loka_export", "--out", str(out)], cwd=root, capture_output=True, text=True)
+    assert bad.returncode == 2 and "need --plan" in bad.stderr
+
+
+def test_static_input_scales_where_training_saw_a_stable_input_amax():
+    """Tensorwise layers whose recorded input amaxes stayed within 1.5x of their median get a fixed
+    scale from the largest; a varying one, a rowwise one and one never run stay dynamic, each with why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    # compiled=True: the sites scale their forward by the amax history (delayed), so every call records it
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", compiled=True))
+    model[4].set_kernels(LayerKernels.uniform(KernelChoice("scaled_mm", "rowwise")))
+    for scale in (1.0, 1.1, 1.2, 0.9):  # training calls: the first layer's input amax barely moves
+        x = torch.randn(64, 16)
+        model(x / x.abs().max() * scale)
+    history0 = model[0]._amax_history[0]
+    expected_amax = float(history0[history0 > 0].max())
+    model[2]._amax_history[0, 0] = 100.0  # the second layer once saw a much larger input
+    report = inference_modules(model, input_scaling="static")
+    assert report.static_inputs == {"0": pytest.approx(expected_amax)}
+    assert report.dynamic_inputs["2"].startswith("input amax varied: largest 100")
+    assert report.dynamic_inputs["4"] == "rowwise: each row has its own scale"
+    assert report.summary().endswith("; 1 with static input scales")
+    layer = model[0]
+    assert float(layer.input_amax) == pytest.approx(expected_amax) and "static input amax" in repr(layer)
+    # within the learned range: the same as a dynamic layer given that amax; beyond it: saturated, finite
+    weight = torch.randn(32, 16)
+    dynamic = Fp8InferenceLinear(weight, None, "tensorwise")
+    static = Fp8InferenceLinear(weight, None, "tensorwise", input_amax=2.0)
+    x = torch.rand(8, 16) * 2.0
+    x[0, 0] = 2.0  # this batch's own amax is the static one: identical codes
+    with torch.no_grad():
+        torch.testing.assert_close(static(x), dynamic(x), rtol=0, atol=0)
+        big = static(x * 10)
+    assert torch.isfinite(big).all()
+    fresh = nn.Sequential(nn.Linear(4, 4))
+    loka_torchrec.apply(fresh, DispatchConfig(mode="all:scaled_mm:tensorwise", compiled=True))
+    assert inference_modules(fresh, input_scaling="static").dynamic_inputs == {"0": "no input amax recorded in training"}
+    with pytest.raises(ValueError, match="input_scaling: expected one of dynamic, static"):
+        inference_modules(fresh, input_scaling="delayed")
+    with pytest.raises(ValueError, match="input_amax: a finite amax > 0, for tensorwise layers only"):
+        Fp8InferenceLinear(torch.randn(4, 4), None, "rowwise", input_amax=1.0)

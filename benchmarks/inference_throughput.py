@@ -1,0 +1,218 @@
+"""Inference of a DHEN model's dense part: latency and throughput per batch size, bf16 against FP8.
+
+The serving side of :mod:`loka_torchrec.inference`: the ``over_arch`` of the DHEN-style model at a
+preset's sizes (with the Mods, the architecture LoKA's runs train), forward only under
+``torch.inference_mode``, batches of random pooled embeddings, timed per call (CUDA events on a
+GPU; median, p99 and rows per second over ``--reps`` calls after ``--warmup``), every run in this
+one process:
+
+* ``bf16``, ``bf16_compile``, ``bf16_compile_cudagraphs``: the model in bf16 (fp32 on a CPU), eager
+  / ``torch.compile`` default / with CUDA graphs (``reduce-overhead``);
+* ``torchao_rowwise_compile``, ``torchao_tensorwise_compile``: torchao's float8 inference
+  quantization (``Float8DynamicActivationFloat8WeightConfig``, per-row or per-tensor: dynamic
+  activation scales, FP8 weights) on every ``nn.Linear``, compiled with CUDA graphs (CUDA only);
+* ``loka_export``, ``loka_export_compile``, ``loka_export_compile_cudagraphs``: LoKA's plan
+  (``--plan``, the ``dispatch_plan.json`` of a training run, pinned; or ``--mode``, a static mode)
+  turned into the serving form by :func:`loka_torchrec.inference_modules`, eager / compiled.
+
+Each run's logits are compared with eager bf16's on the same batch (SQNR, dB): what FP8 changes in
+the output. Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, one table).
+
+Example (one GPU)::
+
+    python benchmarks/inference_throughput.py --preset xl --plan PLAN.json --batch-sizes 512,2048,8192 \\
+        --out benchmarks/results/H100/inference-dhen-xl
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from typing import Dict, List
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+import loka_torchrec
+from loka_job.models.dhen import DhenConfig, DhenOverArch
+from loka_torchrec.atomic_files import write_text_atomic
+from loka_torchrec.dispatch import DispatchConfig
+from loka_torchrec.fp8.error_metrics import sqnr_db
+from loka_torchrec.gemm.measure import call_times_ms
+from loka_torchrec.json_values import to_jsonable
+from loka_torchrec.mods import ModsConfig, apply_mods
+
+RUNS = (
+    "bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_rowwise_compile", "torchao_tensorwise_compile",
+    "loka_export", "loka_export_compile", "loka_export_compile_cudagraphs",
+)  # fmt: skip
+FEATURES = {"small": 7, "large": 7, "xl": 63}
+NUM_DENSE = 13
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="xl", choices=tuple(FEATURES))
+    p.add_argument("--batch-sizes", default="512,2048,8192", help="comma-separated rows per call")
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--plan", help="a dispatch_plan.json of a training run (pinned) for the loka_export runs")
+    p.add_argument("--mode", help="a static dispatch mode (e.g. all:scaled_mm:rowwise) for the loka_export runs instead")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", required=True, help="output path without extension")
+    args = p.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(args.runs) - set(RUNS))
+    if unknown:
+        p.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    except ValueError:
+        p.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        p.error("--batch-sizes: at least one size, each >= 1")
+    if any(r.startswith("loka_") for r in args.runs) and not (args.plan or args.mode):
+        p.error("--runs loka_*: need --plan (a training run's dispatch_plan.json) or --mode")
+    return args
+
+
+class DensePart(nn.Module):
+    """The model's ``over_arch`` under its own name, so that layer names match a training run's plan;
+    ``(dense, pooled values)`` in, the ``KeyedTensor`` made inside (``torch.compile`` and export see tensors)."""
+
+    def __init__(self, over_arch: nn.Module, features: List[str], dim: int) -> None:
+        super().__init__()
+        self.over_arch = over_arch
+        self.features, self.dim = features, dim
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        pooled = KeyedTensor(keys=self.features, length_per_key=[self.dim] * len(self.features), values=values)
+        return self.over_arch(dense, pooled)
+
+
+def build(preset: str, device: torch.device, dtype: torch.dtype) -> DensePart:
+    config = getattr(DhenConfig, preset)()
+    features = [f"f{i}" for i in range(FEATURES[preset])]
+    torch.manual_seed(0)
+    model = DensePart(DhenOverArch(features, NUM_DENSE, config, device), features, config.embedding_dim)
+    apply_mods(model, ModsConfig(preset="all"))
+    return model.to(dtype).eval()
+
+
+def make(run: str, args, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model of ``run``; raises ``RuntimeError`` with the reason where it cannot run here."""
+    model = build(args.preset, device, dtype)
+    if run.startswith("torchao"):
+        if device.type != "cuda":
+            raise RuntimeError("torchao's float8 inference needs a CUDA GPU")
+        try:
+            from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+        except ImportError as exc:
+            raise RuntimeError(f"torchao is not installed ({exc}): pip install torchao") from exc
+        granularity = PerRow() if run.startswith("torchao_rowwise") else PerTensor()
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
+    if run.startswith("loka_"):
+        dispatch = DispatchConfig(mode="pinned", plan_path=args.plan) if args.plan else DispatchConfig(mode=args.mode)
+        loka_torchrec.apply(model, dispatch)
+        report = loka_torchrec.inference_modules(model)
+        print(f"[inference] {run}: {report.summary()}", flush=True)
+        model.loka_report = report.summary()
+    if run.endswith("_compile"):
+        return torch.compile(model, mode="default")
+    if run.endswith("_compile_cudagraphs") or run.startswith("torchao"):
+        return torch.compile(model, mode="reduce-overhead")
+    return model
+
+
+def inputs(preset: str, batch: int, device: torch.device, dtype: torch.dtype):
+    gen = torch.Generator(device=device).manual_seed(batch)
+    dim = getattr(DhenConfig, preset)().embedding_dim
+    values = torch.randn(batch, FEATURES[preset] * dim, generator=gen, device=device, dtype=dtype)
+    return torch.randn(batch, NUM_DENSE, generator=gen, device=device, dtype=dtype), values
+
+
+def measure(model: nn.Module, batch_inputs, args, device) -> Dict[str, float]:
+    with torch.inference_mode():
+        times = sorted(call_times_ms(lambda: model(*batch_inputs), reps=args.reps, device=device, warmup=args.warmup))
+    median = statistics.median(times)
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+    return {"median_ms": median, "p99_ms": p99, "rows_per_s": batch_inputs[0].shape[0] / (median / 1e3)}
+
+
+def _versions() -> Dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("torchrec", "fbgemm_gpu", "torchao"):
+        try:
+            out[name] = md.version(name.replace("_", "-"))
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reference = build(args.preset, device, dtype)
+    rows: List[Dict[str, object]] = []
+    for run in args.runs:
+        try:
+            model = make(run, args, device, dtype)
+        except RuntimeError as exc:
+            rows.append({"run": run, "status": "skipped", "reason": str(exc)})
+            print(f"[inference] {run}: skipped: {exc}", flush=True)
+            continue
+        for batch in args.batch_sizes:
+            batch_inputs = inputs(args.preset, batch, device, dtype)
+            with torch.inference_mode():
+                agreement = sqnr_db(model(*batch_inputs).double(), reference(*batch_inputs).double())
+            row = {"run": run, "status": "ok", "batch": batch, "sqnr_vs_bf16_db": agreement, **measure(model, batch_inputs, args, device)}
+            if getattr(model, "loka_report", None) or getattr(getattr(model, "_orig_mod", None), "loka_report", None):
+                row["fp8"] = getattr(model, "loka_report", None) or model._orig_mod.loka_report
+            rows.append(row)
+            print(f"[inference] {run} batch {batch}: {row['median_ms']:.3f} ms, {row['rows_per_s']:.0f} rows/s, "
+                  f"{agreement:.1f} dB vs bf16", flush=True)  # fmt: skip
+        del model
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.machine()}"
+    meta = {"date": datetime.date.today().isoformat(), "device": device_name, "versions": _versions(),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "preset": args.preset}  # fmt: skip
+    write_text_atomic(f"{args.out}.json", json.dumps(to_jsonable({**meta, "rows": rows}), indent=1, allow_nan=False) + "\n")
+    write_text_atomic(f"{args.out}.md", markdown(meta, rows))
+    return 0
+
+
+def markdown(meta: Dict[str, object], rows: List[Dict[str, object]]) -> str:
+    best = {}
+    for r in rows:
+        if r["status"] == "ok" and str(r["run"]).startswith("bf16"):
+            best[r["batch"]] = min(best.get(r["batch"], float("inf")), r["median_ms"])
+    lines = [
+        f"# Inference of the DHEN `{meta['preset']}` dense part, {meta['date']}", "",
+        f"- device: {meta['device']}; versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
+        f"- command: `{meta['command']}`",
+        "- per call, forward only (`torch.inference_mode`); speed-up: the fastest bf16 run's median at that batch over the run's;"
+        " SQNR: the logits against eager bf16's on the same batch", "",
+        "| run | batch | median ms | p99 ms | rows/s | vs fastest bf16 | SQNR vs bf16 dB | FP8 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['run']} | | | | | | | skipped: {r['reason']} |")
+            continue
+        ratio = best[r["batch"]] / r["median_ms"] if r["batch"] in best else float("nan")
+        lines.append(f"| {r['run']} | {r['batch']} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | {r['rows_per_s']:.0f} "
+                     f"| {ratio:.3f}x | {r['sqnr_vs_bf16_db']:.1f} | {r.get('fp8', '')} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
