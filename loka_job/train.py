@@ -255,6 +255,12 @@ def format_summary(s: Dict[str, Any]) -> str:
             f"backward {per['all_to_all']['backward']:.2f}), all-reduce {sum(per['all_reduce'].values()):.2f}; "
             f"exposed {comms['exposed_ms_per_step']['all']:.2f} ms/step (profiled steps, rank 0)"
         )
+    for name, entry in (s.get("serving") or {}).items():
+        if entry.get("exported"):
+            check = "checked: the program gives the served model's output" if entry["verified"] else "MISMATCH against the served model"
+            lines.append(f"serving          {entry['file']}: {entry['summary']}; {check}")
+        else:
+            lines.append(f"serving          {name} not exported: {entry['reason']}")
     baseline = s.get("baseline")
     loka = s.get("loka")
     if baseline:

@@ -10,6 +10,10 @@
 #   dense NAME PRESET PLAN [RUNS]     benchmarks/dense_part_step.py: the DHEN dense part's fwd+bwd,
 #                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json) compiled;
 #                                     RUNS: comma-separated (default: all of the script's runs)
+#   inference NAME PRESET PLAN [RUNS] benchmarks/inference_throughput.py: the DHEN dense part forward only, bf16 /
+#                                     torchao float8 inference / LoKA's serving form of PLAN (a dispatch_plan.json,
+#                                     or a static mode such as all:scaled_mm:rowwise), batch sizes INFERENCE_BATCHES
+#                                     (default 512,2048,8192)
 #   job NAME OVERRIDE...              one training job on one GPU with these Hydra overrides (e.g.
 #                                     model=dhen_xl device=cuda train.compile=reduce-overhead
 #                                     train.log_every=5: its log has gpu_mem_gib per log step); set
@@ -29,7 +33,7 @@ OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # one job per GPU must not take every host core
-stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN [RUNS] | job NAME OVERRIDE...}
+stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN [RUNS] | inference NAME PRESET PLAN [RUNS] | job NAME OVERRIDE...}
 DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
 WORK=$(mktemp -d /tmp/loka-bench.XXXXXX)
@@ -70,6 +74,15 @@ case $stage in
     grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
     cp "$WORK/$name.log" "$OUT/$name.log"
     ;;
+  inference)
+    name=${2:?inference NAME PRESET PLAN [RUNS]}; preset=${3:?}; plan=${4:?}; runs=${5:-}
+    if [ -f "$plan" ]; then source_arg=(--plan "$plan"); else source_arg=(--mode "$plan"); fi
+    timeout $(( $(left) - 10 )) python3 -P benchmarks/inference_throughput.py --preset "$preset" "${source_arg[@]}" \
+      --batch-sizes "${INFERENCE_BATCHES:-512,2048,8192}" ${runs:+--runs "$runs"} --out "$OUT/$name" > "$WORK/$name.log" 2>&1
+    echo "=== inference $name: rc=$?"
+    grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
+    cp "$WORK/$name.log" "$OUT/$name.log"
+    ;;
   job)
     name=${2:?job NAME OVERRIDE...}; shift 2
     mkdir -p "$WORK/runs/$name"
@@ -82,7 +95,7 @@ case $stage in
     tar -czf "$OUT/$name-runs.tar.gz" -C "$WORK" --exclude='site' runs "$name.log" 2>/dev/null
     ;;
   *)
-    echo "device_benchmarks.sh: unknown stage $stage (gpu_tests | e2e | dense | job)" >&2
+    echo "device_benchmarks.sh: unknown stage $stage (gpu_tests | e2e | dense | inference | job)" >&2
     exit 2
     ;;
 esac

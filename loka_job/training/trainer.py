@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from loka_job.baselines import BaselineConfig
 from loka_torchrec.compile import (
-    compile_dense, cuda_graph_stats, end_compiled_step, resolve_compile_mode, uses_cuda_graphs, wants_static_shapes,
+    compile_dense, cuda_graph_stats, dense_modules, eager, end_compiled_step, resolve_compile_mode, uses_cuda_graphs,
+    wants_static_shapes,
 )
 from loka_torchrec.prepare import prepare
 from loka_torchrec.atomic_files import write_json_atomic
@@ -39,7 +40,9 @@ from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
 from loka_job.training.dense_allreduce import DenseAllreduceCheck, compressed_candidate
 from loka_job.training.dense_allreduce import install as install_allreduce_switch
+from loka_job.training.serving_export import captured_inputs, export_serving
 from loka_job.training.sharding import dense_allreduce_in_force
+from loka_torchrec.inference import INPUT_SCALINGS
 
 __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job", "check_baseline_vs_loka", "step_time_stats"]
 
@@ -191,6 +194,11 @@ class TrainConfig:
             peers names those that did not arrive (stopped, hung or gone) and ends the job with one
             line. Below the process group's 600 s, which would end it without naming anyone; above
             the longest gap between two steps that is not the same on every rank. 0: no watchdog.
+        export_serving: at the end (after the final evaluation), write each dense module as a
+            ``torch.export`` program for serving, FP8 where LoKA runs it then
+            (:mod:`loka_job.training.serving_export`), to ``RUN_DIR/serving/``.
+        serving_input_scaling: ``dynamic`` or ``static`` input scales of the exported FP8 layers
+            (:func:`loka_torchrec.inference_modules`).
         require_verified_checkpoints: refuse to resume from a checkpoint file whose size and
             SHA-256 ``meta.json`` does not record (format 1); ``False``: load it with a warning
             naming it, after the checks that need no record (zip CRC-32s, keys, shapes, dtypes).
@@ -223,6 +231,8 @@ class TrainConfig:
     compile: str = "auto"
     peer_timeout_s: float = 300.0
     require_verified_checkpoints: bool = False
+    export_serving: bool = False
+    serving_input_scaling: str = "dynamic"
 
     def __post_init__(self) -> None:
         from loka_torchrec.compile import COMPILE_MODES
@@ -245,7 +255,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("deterministic", "step_sync", "progress_bar", "profile_trace", "fused_optimizer",
-                     "require_verified_checkpoints"):  # fmt: skip
+                     "require_verified_checkpoints", "export_serving"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.data_workers is not None and (type(self.data_workers) is not int or self.data_workers < 0):
@@ -255,6 +265,10 @@ class TrainConfig:
         timeout = self.peer_timeout_s
         if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout < 0:
             raise ValueError(f"train.peer_timeout_s: expected a number of seconds >= 0 (0: no watchdog), got {timeout!r}")
+        if self.serving_input_scaling not in INPUT_SCALINGS:
+            raise ValueError(
+                f"train.serving_input_scaling: expected one of {', '.join(INPUT_SCALINGS)}, got {self.serving_input_scaling!r}"
+            )
         if self.dense_allreduce not in DENSE_ALLREDUCE_PRECISIONS:
             raise ValueError(
                 f"train.dense_allreduce: expected one of {', '.join(DENSE_ALLREDUCE_PRECISIONS)}, got {self.dense_allreduce!r}"
@@ -604,7 +618,7 @@ class Trainer:
             self.watchdog.reached(END_OF_RUN)
         # Preempted before the last step: a final checkpoint, no final evaluation (the time left is short).
         preempted = self._stop_for_preemption(step) if self.nonfinite.stop_agreed and step < cfg.steps else None
-        final_eval = {} if preempted else self.evaluate()
+        final_eval = {} if preempted else self.evaluate(export=cfg.export_serving)
         if final_eval:
             self._log({"step": step, **{f"eval/{k}": v for k, v in final_eval.items()}})
         if self.probe is not None:
@@ -656,6 +670,7 @@ class Trainer:
             "loka": self._loka_summary(),
             "baseline": None if self.baseline is None else self.baseline.summary(),
             "profile": None if profile is None else profile_summary(profile),
+            "serving": getattr(self, "serving", None),
             "probe_cost": self._probe_cost(timed_steps, step_times),
             "preempted": preempted,
         }
@@ -747,7 +762,9 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> Dict[str, float]:
+    def evaluate(self, *, export: bool = False) -> Dict[str, float]:
+        """NE and AUC over the eval data. ``export``: the first batch also keeps the dense modules'
+        inputs (run eagerly), and rank 0 exports them for serving afterwards (``train.export_serving``)."""
         # The pipeline rewrote the sharded modules' forward; give the model its own forward back
         # for evaluation (in-flight train batches are kept) and re-attach afterwards.
         self.pipeline.detach()
@@ -755,10 +772,18 @@ class Trainer:
             self.model.sync()  # DMPCollection: every replica evaluates the same (averaged) tables
         self.model.eval()
         self.eval_metrics.reset()
-        for batch in self.feature_ids.checked(self.eval_data(0), split="eval", first_batch=0, rank=self.ctx.rank):
+        dense = {name: self.module.model.get_submodule(name) for name in dense_modules(self.module.model)} if export else {}
+        captured: Dict[str, Any] = {}
+        batches = self.feature_ids.checked(self.eval_data(0), split="eval", first_batch=0, rank=self.ctx.rank)
+        for i, batch in enumerate(batches):
             batch = batch.to(self.ctx.device)
-            _, (_, logits, labels) = self.model(batch)
+            keep = captured_inputs(dense) if export and i == 0 else contextlib.nullcontext({})
+            with keep as kept, (eager() if export and i == 0 else contextlib.nullcontext()):
+                _, (_, logits, labels) = self.model(batch)
+            captured.update(kept)
             self.eval_metrics.update(logits, labels)
+        if export and self.ctx.is_main:
+            self.serving = export_serving(dense, captured, self.run_dir, input_scaling=self.cfg.serving_input_scaling)
         self.model.train()
         self.pipeline.attach(self.model)
         return self.eval_metrics.compute()

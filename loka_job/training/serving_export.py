@@ -1,0 +1,158 @@
+"""``train.export_serving``: at the end of training, the dense modules as ``torch.export`` programs for serving.
+
+The job's final evaluation runs its first batch with the dense modules eager (``loka_torchrec.compile.eager``)
+and keeps each dense module's inputs (:func:`captured_inputs`). Rank 0 then, for each dense module
+(:func:`loka_torchrec.compile.dense_modules`; the tables are served by TorchRec), works on a copy:
+:func:`loka_torchrec.inference_modules` keeps FP8 where training runs it now (with LoKA off the
+copy stays as trained), ``torch.export`` captures it at the evaluation batch's shapes, and the
+program, run on the kept inputs, must give the copy's output exactly. It writes, atomically, to
+``RUN_DIR/serving/``:
+
+* ``<module>.pt2``: the program (``torch.export.load(path).module()``; it needs torch only: a
+  ``KeyedTensor`` argument, such as the pooled embeddings, is passed as its values tensor, the keys and
+  lengths fixed in the program (:class:`TensorInputs`));
+* ``<module>.inputs.pt`` and ``<module>.expected.pt``: the kept inputs and the program's output on them;
+* ``serving.json``: per module the files, what ``inference_modules`` made of it, and the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from loka_torchrec.atomic_files import atomic_file, write_text_atomic
+from loka_torchrec.inference import export_program, inference_modules
+
+__all__ = ["SERVING_DIR", "TensorInputs", "captured_inputs", "export_serving"]
+
+SERVING_DIR = "serving"
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _resolved(value: Any) -> Any:
+    """A sharded module's output as the next module sees it: TorchRec's lazy awaitables waited for
+    (the result is cached on the awaitable, so the module's own use does not wait again)."""
+    from torchrec.distributed.types import LazyAwaitable
+
+    return LazyAwaitable._wait_async(value) if isinstance(value, LazyAwaitable) else value
+
+
+@contextlib.contextmanager
+def captured_inputs(modules: Dict[str, nn.Module]) -> Iterator[Dict[str, Tuple[Any, ...]]]:
+    """Inside the block, the first call of each module keeps its positional inputs (detached copies)."""
+    captured: Dict[str, Tuple[Any, ...]] = {}
+
+    def keeper(name: str):
+        def hook(module, args):
+            if name not in captured:
+                captured[name] = _detached(tuple(_resolved(a) for a in args))
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(keeper(name)) for name, module in modules.items()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class TensorInputs(nn.Module):
+    """``module`` with each ``KeyedTensor`` argument passed as its values tensor, rebuilt inside with the
+    keys and lengths fixed here: the program then takes plain tensors (``torch.export`` cannot take
+    TorchRec's containers as inputs, and a serving process needs no TorchRec to call it)."""
+
+    def __init__(self, module: nn.Module, layout: Tuple[Optional[Tuple[List[str], List[int], int]], ...]) -> None:
+        super().__init__()
+        self.module, self.layout = module, layout
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        args = [
+            t if spec is None else KeyedTensor(keys=spec[0], length_per_key=spec[1], values=t, key_dim=spec[2])
+            for t, spec in zip(tensors, self.layout)
+        ]
+        return self.module(*args)
+
+
+def _tensor_inputs(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[nn.Module, Tuple[torch.Tensor, ...]]:
+    """``module`` and ``args`` with every ``KeyedTensor`` argument as its values tensor (:class:`TensorInputs`)."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    if not any(isinstance(a, KeyedTensor) for a in args):
+        return module, args
+    layout = tuple((list(a.keys()), list(a.length_per_key()), a.key_dim()) if isinstance(a, KeyedTensor) else None for a in args)
+    return TensorInputs(module, layout), tuple(a.values() if isinstance(a, KeyedTensor) else a for a in args)
+
+
+def _served_copy(module: nn.Module) -> nn.Module:
+    served = copy.deepcopy(module)
+    for m in served.modules():  # torch.compile in place (nn.Module.compile): the copy runs its own forward
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+    return served
+
+
+def _named(prefix: str, by_layer: Dict[str, Any]) -> Dict[str, Any]:
+    """Layer names of a report, from the dense module's to the model's."""
+    return {f"{prefix}.{layer}": value for layer, value in by_layer.items()}
+
+
+def _save_tensor_file(path: str, value: Any) -> None:
+    with atomic_file(path, "wb") as f:
+        torch.save(value, f)
+
+
+def export_serving(modules: Dict[str, nn.Module], captured: Dict[str, Tuple[Any, ...]], run_dir: str, *,
+                   input_scaling: str = "dynamic") -> Dict[str, Any]:  # fmt: skip
+    """Export each module of ``modules`` with its ``captured`` inputs (module docstring); rank 0 only.
+
+    Returns what ``serving.json`` holds. A module that did not run in the captured batch, or that
+    ``torch.export`` cannot capture, is listed with the reason; the others are exported.
+    """
+    out_dir = os.path.join(run_dir, SERVING_DIR)
+    os.makedirs(out_dir, exist_ok=True)
+    entries: Dict[str, Any] = {}
+    for name, module in modules.items():
+        if name not in captured:
+            entries[name] = {"exported": False, "reason": "not called in the evaluation batch"}
+            continue
+        served = _served_copy(module).eval()
+        report = inference_modules(served, input_scaling=input_scaling)
+        served, args = _tensor_inputs(served, captured[name])
+        path = os.path.join(out_dir, f"{name}.pt2")
+        tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}.pt2")  # torch.export names archives *.pt2
+        try:
+            with torch.no_grad():
+                program = export_program(served, args, tmp, dynamic_batch=False)
+                expected = served(*args)
+                got = program.module()(*args)
+            os.replace(tmp, path)
+        except Exception as exc:  # an export failure is this module's, reported; training's results stand
+            entries[name] = {"exported": False, "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            continue
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        verified = bool(torch.equal(got, expected))
+        _save_tensor_file(os.path.join(out_dir, f"{name}.inputs.pt"), args)
+        _save_tensor_file(os.path.join(out_dir, f"{name}.expected.pt"), got)
+        entries[name] = {
+            "exported": True, "file": path, "verified": verified, "input_scaling": input_scaling,
+            "summary": report.summary(), "fp8": _named(name, report.fp8), "high_precision": _named(name, report.high_precision),
+            "static_inputs": _named(name, report.static_inputs), "dynamic_inputs": _named(name, report.dynamic_inputs),
+            "batch": int(next(t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).shape[0]),
+        }  # fmt: skip
+    write_text_atomic(os.path.join(out_dir, "serving.json"), json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    return entries

@@ -1,0 +1,81 @@
+"""``train.export_serving``: the job's dense modules as ``torch.export`` programs, FP8 where LoKA runs it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from loka_job.training.trainer import TrainConfig
+from multirank import run_job
+from small_job import SMALL_DLRM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_serving_settings_are_checked():
+    assert TrainConfig(export_serving=True, serving_input_scaling="static").export_serving
+    with pytest.raises(ValueError, match="train.serving_input_scaling: expected one of dynamic, static, got 'delayed'"):
+        TrainConfig(serving_input_scaling="delayed")
+    with pytest.raises(ValueError, match="train.export_serving: expected true or false"):
+        TrainConfig(export_serving="yes")
+
+
+@pytest.mark.slow
+def test_a_two_rank_job_exports_its_dense_modules_and_they_run_without_this_project(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = ["-m", "loka_job.train", *SMALL_DLRM, "data.eval_batches=2", "train.steps=6", "loka.probe.enabled=false",
+               "loka.dispatch.mode=all:scaled_mm:rowwise", "train.export_serving=true"]  # fmt: skip
+    proc = run_job(command, env=env, cwd=ROOT, nproc=2, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    serving = json.loads((run_dir / "serving" / "serving.json").read_text())
+    assert set(serving) == {"model.dense_arch", "model.over_arch"}  # the dense modules; the tables stay TorchRec's
+    for name, entry in serving.items():
+        assert entry["exported"] and entry["verified"] and entry["batch"] == 128
+        assert entry["fp8"] and all(k.startswith(name + ".") and v == "rowwise" for k, v in entry["fp8"].items())
+        assert f"serving          {entry['file']}: {entry['summary']}; checked" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["serving"] == serving
+    _runs_with_torch_alone(tmp_path, run_dir / "serving", ["model.dense_arch", "model.over_arch"])
+
+
+def _runs_with_torch_alone(tmp_path, folder, names):
+    """A process in which this project, and TorchRec, cannot be imported loads each program and
+    reproduces its output on the kept inputs."""
+    blocker = tmp_path / "blocker"
+    for package in ("loka_torchrec", "loka_job", "torchrec", "fbgemm_gpu"):
+        (blocker / package).mkdir(parents=True, exist_ok=True)
+        (blocker / package / "__init__.py").write_text(f"raise ImportError('{package} is not installed here')\n")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        for name in {list(names)!r}:
+            program = torch.export.load(f"{folder}/{{name}}.pt2").module()
+            inputs = torch.load(f"{folder}/{{name}}.inputs.pt")
+            assert all(isinstance(t, torch.Tensor) for t in inputs)
+            assert torch.equal(program(*inputs), torch.load(f"{folder}/{{name}}.expected.pt")), name
+        assert not [m for m in sys.modules if m.startswith(("loka_torchrec", "loka_job", "torchrec", "fbgemm_gpu"))]
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(blocker), OMP_NUM_THREADS="1")
+    check = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.strip() == "ok", check.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_dhen_job_exports_its_over_arch_taking_the_pooled_embeddings_as_one_tensor(tmp_path):
+    """DHEN's dense part takes the pooled embeddings (a KeyedTensor): the program takes its values tensor."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = ["-m", "loka_job.train", "device=cpu", "model=dhen", "data.batch_size=64", "data.eval_batches=1", "train.steps=3",
+               "train.progress_bar=false", "loka.probe.enabled=false", "loka.dispatch.mode=all:scaled_mm:tensorwise",
+               "train.export_serving=true", "train.serving_input_scaling=static"]  # fmt: skip
+    proc = run_job(command, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entry = json.loads((run_dir / "serving" / "serving.json").read_text())["over_arch"]
+    assert entry["exported"] and entry["verified"] and entry["summary"].startswith("25/25 linear layers in FP8")
+    # eager CPU training scales by each call's amax and records no history: static scales have nothing to go on
+    assert set(entry["dynamic_inputs"].values()) == {"no input amax recorded in training"}
+    _runs_with_torch_alone(tmp_path, run_dir / "serving", ["over_arch"])
