@@ -261,6 +261,13 @@ def format_summary(s: Dict[str, Any]) -> str:
             lines.append(f"serving          {entry['file']}: {entry['summary']}; {check}")
         else:
             lines.append(f"serving          {name} not exported: {entry['reason']}")
+    quality = next((e["eval"] for e in (s.get("serving") or {}).values() if e.get("eval")), None)
+    if quality:
+        ne = {k: v.get("ne") for k, v in quality.items()}
+        lines.append(
+            f"serving eval NE  {f(ne['served'], '.5f')} served (FP8 where it runs) vs {f(ne['served_high_precision'], '.5f')} "
+            f"in high precision vs {f(ne['trained'], '.5f')} trained, same eval data"
+        )
     baseline = s.get("baseline")
     loka = s.get("loka")
     if baseline:

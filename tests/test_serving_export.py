@@ -39,6 +39,13 @@ def test_a_two_rank_job_exports_its_dense_modules_and_they_run_without_this_proj
         assert f"serving          {entry['file']}: {entry['summary']}; checked" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["serving"] == serving
+    # The whole model evaluated with the served modules swapped in: the same FP8 forward as the trained
+    # model's (dynamic scales, the in-force kernels), hence its NE; and with high-precision copies.
+    quality = serving["model.over_arch"]["eval"]
+    assert quality["served"]["ne"] == pytest.approx(quality["trained"]["ne"], rel=1e-6)
+    assert quality["served"]["count"] == quality["served_high_precision"]["count"] == quality["trained"]["count"] > 0
+    assert 0 < quality["served_high_precision"]["ne"] < 2
+    assert "serving eval NE  " in proc.stdout and "in high precision vs" in proc.stdout
     _runs_with_torch_alone(tmp_path, run_dir / "serving", ["model.dense_arch", "model.over_arch"])
 
 

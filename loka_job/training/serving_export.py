@@ -12,7 +12,10 @@ program, run on the kept inputs, must give the copy's output exactly. It writes,
   ``KeyedTensor`` argument, such as the pooled embeddings, is passed as its values tensor, the keys and
   lengths fixed in the program (:class:`TensorInputs`));
 * ``<module>.inputs.pt`` and ``<module>.expected.pt``: the kept inputs and the program's output on them;
-* ``serving.json``: per module the files, what ``inference_modules`` made of it, and the check.
+* ``serving.json``: per module the files, what ``inference_modules`` made of it, and the check;
+  and the evaluation of the whole model with the served copies swapped in, against the trained
+  model and against high-precision copies of the same weights (:func:`plain_modules`): eval NE and
+  AUC of each, on the same held-out batches, so that what FP8 serving costs in quality is a number.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from loka_torchrec.atomic_files import atomic_file, write_text_atomic
-from loka_torchrec.inference import export_program, inference_modules
+from loka_torchrec.json_values import to_jsonable
+from loka_torchrec.inference import InferenceReport, export_program, inference_modules
+from loka_torchrec.plain import plain_modules
 
-__all__ = ["SERVING_DIR", "TensorInputs", "captured_inputs", "export_serving"]
+__all__ = ["SERVING_DIR", "TensorInputs", "captured_inputs", "export_serving", "high_precision_copies", "serving_copies", "swapped", "write_serving"]
 
 SERVING_DIR = "serving"
 
@@ -104,6 +109,38 @@ def _served_copy(module: nn.Module) -> nn.Module:
     return served
 
 
+def serving_copies(modules: Dict[str, nn.Module], input_scaling: str) -> Dict[str, Tuple[nn.Module, InferenceReport]]:
+    """Per module, its serving copy (:func:`loka_torchrec.inference_modules` on a copy) and the report."""
+    out = {}
+    for name, module in modules.items():
+        served = _served_copy(module).eval()
+        out[name] = (served, inference_modules(served, input_scaling=input_scaling))
+    return out
+
+
+def high_precision_copies(modules: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
+    """Per module, a copy with every LoKA layer plain again (:func:`loka_torchrec.plain_modules`): the
+    same weights in the caller's precision, the reference FP8 serving is judged against."""
+    return {name: plain_modules(_served_copy(module)).eval() for name, module in modules.items()}
+
+
+@contextlib.contextmanager
+def swapped(root: nn.Module, replacements: Dict[str, nn.Module]) -> Iterator[None]:
+    """Inside the block, ``root``'s submodules named in ``replacements`` are those modules."""
+    originals = {name: root.get_submodule(name) for name in replacements}
+
+    def put(modules: Dict[str, nn.Module]) -> None:
+        for name, module in modules.items():
+            parent, _, child = name.rpartition(".")
+            setattr(root.get_submodule(parent) if parent else root, child, module)
+
+    put(replacements)
+    try:
+        yield
+    finally:
+        put(originals)
+
+
 def _named(prefix: str, by_layer: Dict[str, Any]) -> Dict[str, Any]:
     """Layer names of a report, from the dense module's to the model's."""
     return {f"{prefix}.{layer}": value for layer, value in by_layer.items()}
@@ -114,29 +151,27 @@ def _save_tensor_file(path: str, value: Any) -> None:
         torch.save(value, f)
 
 
-def export_serving(modules: Dict[str, nn.Module], captured: Dict[str, Tuple[Any, ...]], run_dir: str, *,
+def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], captured: Dict[str, Tuple[Any, ...]], run_dir: str, *,
                    input_scaling: str = "dynamic") -> Dict[str, Any]:  # fmt: skip
-    """Export each module of ``modules`` with its ``captured`` inputs (module docstring); rank 0 only.
-
-    Returns what ``serving.json`` holds. A module that did not run in the captured batch, or that
-    ``torch.export`` cannot capture, is listed with the reason; the others are exported.
+    """Export each serving copy of ``served`` (:func:`serving_copies`) with its ``captured`` inputs
+    (module docstring); rank 0 only. Returns what ``serving.json`` holds (:func:`write_serving`
+    writes it). A module that did not run in the captured batch, or that ``torch.export`` cannot
+    capture, is listed with the reason; the others are exported.
     """
     out_dir = os.path.join(run_dir, SERVING_DIR)
     os.makedirs(out_dir, exist_ok=True)
     entries: Dict[str, Any] = {}
-    for name, module in modules.items():
+    for name, (copy_, report) in served.items():
         if name not in captured:
             entries[name] = {"exported": False, "reason": "not called in the evaluation batch"}
             continue
-        served = _served_copy(module).eval()
-        report = inference_modules(served, input_scaling=input_scaling)
-        served, args = _tensor_inputs(served, captured[name])
+        module, args = _tensor_inputs(copy_, captured[name])
         path = os.path.join(out_dir, f"{name}.pt2")
         tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}.pt2")  # torch.export names archives *.pt2
         try:
             with torch.no_grad():
-                program = export_program(served, args, tmp, dynamic_batch=False)
-                expected = served(*args)
+                program = export_program(module, args, tmp, dynamic_batch=False)
+                expected = module(*args)
                 got = program.module()(*args)
             os.replace(tmp, path)
         except Exception as exc:  # an export failure is this module's, reported; training's results stand
@@ -154,5 +189,11 @@ def export_serving(modules: Dict[str, nn.Module], captured: Dict[str, Tuple[Any,
             "static_inputs": _named(name, report.static_inputs), "dynamic_inputs": _named(name, report.dynamic_inputs),
             "batch": int(next(t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).shape[0]),
         }  # fmt: skip
-    write_text_atomic(os.path.join(out_dir, "serving.json"), json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    write_serving(run_dir, entries)
     return entries
+
+
+def write_serving(run_dir: str, entries: Dict[str, Any]) -> None:
+    """``RUN_DIR/serving/serving.json``, atomically."""
+    path = os.path.join(run_dir, SERVING_DIR, "serving.json")
+    write_text_atomic(path, json.dumps(to_jsonable(entries), indent=1, sort_keys=True, allow_nan=False) + "\n")

@@ -40,7 +40,9 @@ from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
 from loka_job.training.dense_allreduce import DenseAllreduceCheck, compressed_candidate
 from loka_job.training.dense_allreduce import install as install_allreduce_switch
-from loka_job.training.serving_export import captured_inputs, export_serving
+from loka_job.training.serving_export import (
+    captured_inputs, export_serving, high_precision_copies, serving_copies, swapped, write_serving,
+)  # fmt: skip
 from loka_job.training.sharding import dense_allreduce_in_force
 from loka_torchrec.inference import INPUT_SCALINGS
 
@@ -763,30 +765,49 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, *, export: bool = False) -> Dict[str, float]:
-        """NE and AUC over the eval data. ``export``: the first batch also keeps the dense modules'
-        inputs (run eagerly), and rank 0 exports them for serving afterwards (``train.export_serving``)."""
+        """NE and AUC over the eval data. ``export`` (``train.export_serving``): the first batch also
+        keeps the dense modules' inputs (run eagerly), rank 0 exports their serving copies, and the
+        eval data runs twice more, with the serving copies and with high-precision copies swapped in
+        (:mod:`loka_job.training.serving_export`); the metrics returned are the trained model's."""
         # The pipeline rewrote the sharded modules' forward; give the model its own forward back
         # for evaluation (in-flight train batches are kept) and re-attach afterwards.
         self.pipeline.detach()
         if self.cfg.sharding_group_size is not None and self.cfg.sync_every > 1:
             self.model.sync()  # DMPCollection: every replica evaluates the same (averaged) tables
         self.model.eval()
-        self.eval_metrics.reset()
         dense = {name: self.module.model.get_submodule(name) for name in dense_modules(self.module.model)} if export else {}
+        metrics, captured = self._eval_pass(capture=dense)
+        if export:
+            served = serving_copies(dense, self.cfg.serving_input_scaling)  # every rank: the passes below are collective
+            if self.ctx.is_main:
+                self.serving = export_serving(served, captured, self.run_dir, input_scaling=self.cfg.serving_input_scaling)
+            with torch.no_grad(), swapped(self.module.model, {name: copy_ for name, (copy_, _) in served.items()}):
+                served_metrics, _ = self._eval_pass()
+            with torch.no_grad(), swapped(self.module.model, high_precision_copies(dense)):
+                high_metrics, _ = self._eval_pass()
+            if self.ctx.is_main:
+                quality = {"trained": metrics, "served": served_metrics, "served_high_precision": high_metrics}
+                for entry in self.serving.values():
+                    entry["eval"] = quality  # the whole model's, with every dense module swapped at once
+                write_serving(self.run_dir, self.serving)
+        self.model.train()
+        self.pipeline.attach(self.model)
+        return metrics
+
+    def _eval_pass(self, capture: Optional[Dict[str, nn.Module]] = None):
+        """``(metrics, captured inputs)`` of one pass over the eval data; with ``capture``, the first
+        batch runs eagerly and keeps those modules' inputs."""
+        self.eval_metrics.reset()
         captured: Dict[str, Any] = {}
         batches = self.feature_ids.checked(self.eval_data(0), split="eval", first_batch=0, rank=self.ctx.rank)
         for i, batch in enumerate(batches):
             batch = batch.to(self.ctx.device)
-            keep = captured_inputs(dense) if export and i == 0 else contextlib.nullcontext({})
-            with keep as kept, (eager() if export and i == 0 else contextlib.nullcontext()):
+            keep = captured_inputs(capture) if capture and i == 0 else contextlib.nullcontext({})
+            with keep as kept, (eager() if capture and i == 0 else contextlib.nullcontext()):
                 _, (_, logits, labels) = self.model(batch)
             captured.update(kept)
             self.eval_metrics.update(logits, labels)
-        if export and self.ctx.is_main:
-            self.serving = export_serving(dense, captured, self.run_dir, input_scaling=self.cfg.serving_input_scaling)
-        self.model.train()
-        self.pipeline.attach(self.model)
-        return self.eval_metrics.compute()
+        return self.eval_metrics.compute(), captured
 
     def _show_plan_if_new(self, bar) -> None:
         """Print the dispatch plan table on rank 0 whenever the plan changes."""
