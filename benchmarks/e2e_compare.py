@@ -46,6 +46,9 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   through TorchRec's DDP wrapper), so that the dense comms' gain shows for every model alike;
   ``plain_compile_auto_allreduce``, ``loka_compile_default_auto_allreduce``: the same with
   ``train.dense_allreduce=auto`` (fp32 or bf16, whichever step is faster, checked in the run);
+* ``loka_compile_default_export``: ``loka_compile_default`` that also exports its dense modules for
+  serving at the end (``train.export_serving``) and evaluates the model served in FP8 and in high
+  precision on the same held-out batches: section "Serving what training ran";
 * ``bf16_probed_compile_cudagraphs`` (not in the default list): ``bf16_compile_cudagraphs`` with the
   Probe on: it learns, measures the candidates and plans at the end of its warm-up as in
   ``loka_compile``, and Dispatch's static mode keeps every GEMM in bf16: what the learning leaves
@@ -264,6 +267,9 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16_compile_bf16_allreduce", (*_BF16, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("loka_compile_default_bf16_allreduce", (*_LOKA, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("plain_compile_auto_allreduce", (*_PLAIN, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
+        # LoKA's run that also exports its dense modules for serving at the end and evaluates them
+        # (train.export_serving): section "Serving what training ran".
+        RunSpec("loka_compile_default_export", (*_LOKA, "train.export_serving=true"), compile="default"),
         RunSpec("loka_compile_default_auto_allreduce", (*_LOKA, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
     )
 }
@@ -649,6 +655,8 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
         out["comms"] = loka["comms"]  # the precisions in force and how "auto" decided them
     if s.get("dense_allreduce"):
         out["dense_allreduce"] = s["dense_allreduce"]  # DDP's gradient all-reduce: precision on the wire, bucket size
+    if s.get("serving"):
+        out["serving"] = s["serving"]  # train.export_serving: the programs, and eval NE served in FP8 / high precision
     if s.get("baseline"):
         out["baseline"] = s["baseline"]
     if s.get("profile"):
@@ -901,6 +909,36 @@ def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) ->
     ]
 
 
+def serving_section(records: List[Dict[str, Any]]) -> List[str]:
+    """"Serving what training ran": per run that exported (``train.export_serving``), each dense module's
+    program and what ran FP8 in it, and eval NE/AUC of the model trained, served (FP8 where it runs) and
+    served in high precision, on the same held-out batches."""
+    exported = [r for r in records if r.get("status") == "ok" and r.get("serving")]
+    if not exported:
+        return []
+    lines = [
+        "## Serving what training ran", "",
+        "`train.export_serving`: each dense module as a `torch.export` program, FP8 where the run's plan had it in "
+        "force at the end (`loka_torchrec.inference_modules`), checked against the served copy; eval NE (AUC) of the "
+        "whole model on the run's held-out batches, trained / served in FP8 / served in high precision.", "",
+        "| recipe | run | seed | module | FP8 layers | program checked | NE trained | NE served FP8 | NE served high precision | NE served FP8 vs high precision % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in exported:
+        for name, entry in sorted(r["serving"].items()):
+            if not entry.get("exported"):
+                lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {name} | not exported: {entry.get('reason')} | | | | | |")
+                continue
+            quality = entry.get("eval") or {}
+            ne = {k: (quality.get(k) or {}).get("ne") for k in ("trained", "served", "served_high_precision")}
+            delta = 100 * (ne["served"] - ne["served_high_precision"]) / ne["served_high_precision"] if ne["served"] and ne["served_high_precision"] else None
+            lines.append(
+                f"| {r['recipe']} | {r['run']} | {r['seed']} | {name} | {entry['summary']} | {'yes' if entry['verified'] else 'NO'} "
+                f"| {_fmt(ne['trained'], '.5f')} | {_fmt(ne['served'], '.5f')} | {_fmt(ne['served_high_precision'], '.5f')} | {_fmt(delta, '+.3f')} |"
+            )
+    return lines + [""]
+
+
 def comms_section(records: List[Dict[str, Any]]) -> List[str]:
     """"What the collectives cost": per profiled multi-rank run and seed, the precisions on the wire
     and the collectives' time per step by kind and phase, and the part no kernel overlapped."""
@@ -1134,6 +1172,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         lines.append("")
     lines += gain_split_section(records, a["recipes"])
     lines += comms_section(records)
+    lines += serving_section(records)
     lines += profile_section(records)
     lines += gpu_section(records)
     lines += host_section(records)

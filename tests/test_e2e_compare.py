@@ -520,3 +520,17 @@ def test_the_default_window_waits_for_the_step_checks_of_several_ranks():
     assert window(1, "loka_compile") == 200  # one rank: no comms check
     assert window(4, "loka_compile") == 100 + 80 + check
     assert window(4, "loka_compile,plain_compile_auto_allreduce") == 100 + 80 + 2 * check
+
+
+def test_serving_section_shows_each_exported_module_and_the_eval_ne_served():
+    e2e = _driver()
+    assert "train.export_serving=true" in e2e.run_spec("loka_compile_default_export").overrides
+    quality = {"trained": {"ne": 0.80}, "served": {"ne": 0.80}, "served_high_precision": {"ne": 0.79}}
+    serving = {"over_arch": {"exported": True, "verified": True, "summary": "25/25 linear layers in FP8 for inference", "eval": quality},
+               "dense_arch": {"exported": False, "reason": "not called in the evaluation batch"}}  # fmt: skip
+    lines = e2e.serving_section([dict(_rec("loka_compile_default_export", 0, 6.0), serving=serving), _rec("bf16", 0, 7.0)])
+    assert lines[0] == "## Serving what training ran"
+    assert ("| r | loka_compile_default_export | 0 | over_arch | 25/25 linear layers in FP8 for inference | yes | 0.80000 | 0.80000 "
+            "| 0.79000 | +1.266 |") in lines  # fmt: skip
+    assert any("dense_arch | not exported: not called in the evaluation batch" in line for line in lines)
+    assert e2e.serving_section([_rec("bf16", 0, 7.0)]) == []
