@@ -49,6 +49,7 @@ from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.comms.auto import decide as decide_comms_precision
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.config import CommsConfig
+from loka_torchrec.comms.ranks import world_size as _world_size
 from loka_torchrec.comms.sharders import model_embedding_dims
 from loka_torchrec.comms.sharders import sharders as comms_sharders
 from loka_torchrec.comms.step_check import CommsStepCheck, CommsStepChecker
@@ -68,11 +69,6 @@ logger = logging.getLogger(__name__)
 
 COMMS_PLAN_FILE = "comms_plan.json"
 """In the run folder: the comms precisions in force, and for ``"auto"`` how they were decided."""
-
-
-def _world_size(process_group) -> int:
-    """Ranks of ``process_group`` (1 without a process group)."""
-    return dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from loka_torchrec.comms.choice import DIRECTIONS, CommsChoice
 from loka_torchrec.comms.codec import Fp8CommCodec
 from loka_torchrec.comms.config import CommsConfig
+from loka_torchrec.comms.ranks import max_over_ranks, world_size
 from loka_torchrec.comms.registry import resolve_block
 
 __all__ = ["decide", "wall_timer", "ONE_RANK_REASON", "DEFAULT_ROWS", "DEFAULT_WIDTH", "MAX_VALUES"]
@@ -49,12 +50,6 @@ def wall_timer(device: torch.device) -> Timer:
         return time.perf_counter() - start
 
     return timer
-
-
-def _world_size(process_group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group)
 
 
 def _payload(config: CommsConfig, world: int, embedding_dims: Sequence[int], batch_size: Optional[int]):
@@ -118,7 +113,7 @@ def decide(
         raise ValueError(f"reps, warmup: expected reps >= 1 and warmup >= 0, got {reps}, {warmup}")
     started = time.perf_counter()
     directions = tuple(d for d in DIRECTIONS if getattr(config, d) == "auto")
-    world = _world_size(process_group)
+    world = world_size(process_group)
     if world == 1:
         resolved = config.resolved("fp32", "fp32")
         return CommsChoice(
@@ -162,9 +157,8 @@ def decide(
             if rep >= warmup:
                 samples[label].append(seconds)
     labels = list(runs)
-    medians = torch.tensor([statistics.median(samples[label]) for label in labels], dtype=torch.float64, device=device)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=process_group)
-    ms = {label: 1e3 * float(v) for label, v in zip(labels, medians.tolist())}
+    medians = max_over_ranks([statistics.median(samples[label]) for label in labels], process_group, device)
+    ms = {label: 1e3 * float(v) for label, v in zip(labels, medians)}
     chosen, reasons, times = {}, {}, {}
     for direction in directions:
         t32, t8 = ms[f"{direction}/fp32"], ms[f"{direction}/fp8"]

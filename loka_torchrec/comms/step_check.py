@@ -25,10 +25,9 @@ import logging
 import statistics
 from typing import Any, Dict, List, Optional
 
-import torch
-import torch.distributed as dist
 
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
+from loka_torchrec.comms.ranks import max_over_ranks
 
 __all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckVerdict", "agreed_medians"]
 
@@ -143,14 +142,7 @@ class CommsStepCheck:
 def agreed_medians(check: CommsStepCheck, process_group: Any = None) -> List[float]:
     """The medians of ``check``'s arms (:data:`ARMS` order), the largest over the ranks of
     ``process_group`` (a collective; one process: its own), so that every rank judges alike."""
-    medians = [statistics.median(check.samples[arm]) for arm in ARMS]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return medians
-    backend = str(dist.get_backend(process_group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
-    return agreed.tolist()
+    return max_over_ranks([statistics.median(check.samples[arm]) for arm in ARMS], process_group)
 
 
 class CommsStepChecker:
