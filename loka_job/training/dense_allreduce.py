@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from loka_torchrec.comms.step_check import CommsStepCheck, StepCheckVerdict, agreed_medians
+from loka_torchrec.comms.step_check import CommsStepCheck, StepCheckRun, StepCheckVerdict
 
 __all__ = ["AllreduceSwitch", "DenseAllreduceCheck", "compressed_candidate", "install"]
 
@@ -64,9 +64,16 @@ class DenseAllreduceCheck:
     """
 
     def __init__(self, switch: AllreduceSwitch, *, block: int = 10, process_group: Any = None) -> None:
-        self.switch, self.process_group = switch, process_group
-        self.check = CommsStepCheck(block=block)
-        self.started = False
+        self.switch = switch
+        self.run = StepCheckRun(CommsStepCheck(block=block), self._apply_arm, process_group)
+
+    @property
+    def check(self) -> CommsStepCheck:
+        return self.run.check
+
+    @property
+    def started(self) -> bool:
+        return self.run.started
 
     @property
     def verdict(self) -> Optional[StepCheckVerdict]:
@@ -75,27 +82,20 @@ class DenseAllreduceCheck:
     def observe(self, step: int, step_ms: Optional[float], *, ready: bool) -> None:
         """The step that just ran took ``step_ms`` (``None``: not a timed step). Starts the check at
         the first step when ``ready``; then switches between blocks and at the end keeps the faster."""
-        if self.check.done:
-            return
-        if not self.started:
-            if ready and step_ms is not None:
-                self.started = True
-                self._apply_arm()
-                logger.info("train: checking the dense all-reduce in %s against fp32, blocks of %d steps",
-                            self.switch.compressed, self.check.block)  # fmt: skip
-            return
-        result = self.check.observe(step, step_ms)
-        if result is True:
-            self._apply_arm()
-        elif result is not None:
-            verdict = self.check.judge(step, *agreed_medians(self.check, self.process_group))
+        was_started = self.run.started
+        _, verdict = self.run.observe(step, step_ms, ready=ready)
+        if self.run.started and not was_started:
+            logger.info("train: checking the dense all-reduce in %s against fp32, blocks of %d steps",
+                        self.switch.compressed, self.check.block)  # fmt: skip
+        if verdict is not None:
             self.switch.precision = self.switch.compressed if verdict.keep_chosen else "fp32"
             logger.info("train: dense all-reduce in %s: %s, median step %.2f ms vs %.2f ms in fp32",
                         self.switch.precision, "kept" if verdict.keep_chosen else "not faster",
                         verdict.chosen_ms, verdict.fp32_ms)  # fmt: skip
 
-    def _apply_arm(self) -> None:
-        self.switch.precision = self.switch.compressed if self.check.arm == "chosen" else "fp32"
+    def _apply_arm(self, arm: Optional[str]) -> None:
+        if arm is not None:
+            self.switch.precision = self.switch.compressed if arm == "chosen" else "fp32"
 
     def summary(self) -> Dict[str, Any]:
         """For the run's summary: the precision in force and the verdict (``None`` until there is one)."""
@@ -107,12 +107,11 @@ class DenseAllreduceCheck:
         }
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"started": self.started, "precision": self.switch.precision, **self.check.state_dict()}
+        return {"precision": self.switch.precision, **self.run.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.check.load_state_dict(state)
-        self.started = bool(state.get("started", False))
         self.switch.precision = str(state.get("precision", "fp32"))
+        self.run.load_state_dict(state)
 
 
 def compressed_candidate(device: torch.device) -> str:

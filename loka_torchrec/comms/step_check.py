@@ -11,7 +11,9 @@ training step itself with that choice and with fp32 in those directions, in alte
 probe steps, evaluations) do not count. The verdict compares the medians: the compressed choice
 stays when its median is at least ``min_gain`` faster than fp32's, else fp32 it is.
 
-:class:`CommsStepCheck` is the bookkeeping; :class:`CommsStepChecker` runs it on a run's
+:class:`CommsStepCheck` is the bookkeeping; :class:`StepCheckRun` drives it through training for
+anything that switches between two arms (the job's dense all-reduce check uses it too);
+:class:`CommsStepChecker` runs it on a run's
 :class:`~loka_torchrec.comms.choice.CommsSelection`: it switches the codecs between steps, makes the
 ranks agree on the medians (the slowest rank counts) and sets the checked choice.
 :class:`~loka_torchrec.prepare.Loka` hands it every timed step and says when Dispatch is done with
@@ -23,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.ranks import max_over_ranks
 
-__all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckVerdict", "agreed_medians"]
+__all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckRun", "StepCheckVerdict", "agreed_medians"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,57 @@ def agreed_medians(check: CommsStepCheck, process_group: Any = None) -> List[flo
     return max_over_ranks([statistics.median(check.samples[arm]) for arm in ARMS], process_group)
 
 
+class StepCheckRun:
+    """A :class:`CommsStepCheck` driven through training, for whatever switches between the arms.
+
+    It starts at the first timed step at which ``ready`` (nothing else needs step times), has
+    ``apply_arm(arm)`` put the next step in each block's arm, and ends with the verdict on the
+    medians the ranks agreed on (:func:`agreed_medians`).
+
+    Args:
+        check: the bookkeeping.
+        apply_arm: ``apply_arm("chosen" | "fp32")`` before the steps of that arm; ``apply_arm(None)``
+            at the end, before the caller acts on the verdict.
+        process_group: the ranks that agree (default: the world).
+    """
+
+    def __init__(self, check: CommsStepCheck, apply_arm: Callable[[Optional[str]], None], process_group: Any = None) -> None:
+        self.check, self.apply_arm, self.process_group = check, apply_arm, process_group
+        self.started = False
+
+    @property
+    def running(self) -> bool:
+        return self.started and not self.check.done
+
+    def observe(self, step: int, step_ms: Optional[float], *, ready: bool) -> Tuple[bool, Optional[StepCheckVerdict]]:
+        """The step that just ran took ``step_ms`` (``None``: not timed). Returns ``(taken, verdict)``:
+        whether the time belongs to the check (then nobody else should use it: it is one arm's), and
+        the agreed verdict at the step that ends the check."""
+        if self.check.done:
+            return False, None
+        if not self.started:
+            if ready and step_ms is not None:
+                self.started = True
+                self.apply_arm(self.check.arm)
+            return False, None
+        result = self.check.observe(step, step_ms)
+        if result is True:
+            self.apply_arm(self.check.arm)
+        elif result is not None:
+            self.apply_arm(None)
+            return True, self.check.judge(step, *agreed_medians(self.check, self.process_group))
+        return True, None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"started": self.started, **self.check.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.check.load_state_dict(state)
+        self.started = bool(state.get("started", False))
+        if self.running:
+            self.apply_arm(self.check.arm)
+
+
 class CommsStepChecker:
     """Runs a :class:`CommsStepCheck` of the choice in ``selection`` (see the module docstring).
 
@@ -155,8 +208,8 @@ class CommsStepChecker:
     """
 
     def __init__(self, selection: CommsSelection, check: CommsStepCheck, process_group: Any = None) -> None:
-        self.selection, self.check, self.process_group = selection, check, process_group
-        self.started = False
+        self.selection = selection
+        self.run = StepCheckRun(check, self._apply_arm, process_group)
 
     @staticmethod
     def needed(choice: Optional[CommsChoice], block: int) -> bool:
@@ -167,39 +220,38 @@ class CommsStepChecker:
         return any(getattr(choice, d) != "fp32" for d in choice.decided)
 
     @property
+    def check(self) -> CommsStepCheck:
+        return self.run.check
+
+    @property
+    def started(self) -> bool:
+        return self.run.started
+
+    @property
     def running(self) -> bool:
-        return self.started and not self.check.done
+        return self.run.running
 
     def observe(self, step: int, step_ms: float, *, ready: bool) -> bool:
         """The step that just ran took ``step_ms``. Starts the check at the first step when
         ``ready`` (Dispatch needs no step times); while it runs, takes the step's time, switches the
         arm between blocks and ends with the checked choice. Returns whether the time was taken
         (then nobody else should use it: it belongs to one arm of the comparison)."""
-        if self.check.done:
-            return False
-        if not self.started:
-            if ready:
-                self.started = True
-                self._apply_arm()
-                logger.info("loka comms: checking %s in the training step, blocks of %d steps", self._chosen_words(), self.check.block)
-            return False
-        result = self.check.observe(step, step_ms)
-        if result is True:
-            self._apply_arm()
-        elif result is not None:
-            self._finish(step)
-        return True
+        was_started = self.run.started
+        taken, verdict = self.run.observe(step, step_ms, ready=ready)
+        if self.run.started and not was_started:
+            logger.info("loka comms: checking %s in the training step, blocks of %d steps", self._chosen_words(), self.check.block)
+        if verdict is not None:
+            self._finish(verdict)
+        return taken
 
     def _chosen_words(self) -> str:
         choice = self.selection.choice
         return ", ".join(f"{d} {getattr(choice, d)}" for d in choice.decided)
 
-    def _apply_arm(self) -> None:
-        self.selection.try_precisions(("fp32", "fp32") if self.check.arm == "fp32" else None)
+    def _apply_arm(self, arm: Optional[str]) -> None:
+        self.selection.try_precisions(("fp32", "fp32") if arm == "fp32" else None)
 
-    def _finish(self, step: int) -> None:
-        chosen_ms, fp32_ms = agreed_medians(self.check, self.process_group)
-        verdict = self.check.judge(step, chosen_ms, fp32_ms)
+    def _finish(self, verdict: StepCheckVerdict) -> None:
         choice = self.selection.choice
         record = {"chosen": {d: getattr(choice, d) for d in choice.decided}, "verdict": dataclasses.asdict(verdict)}
         if verdict.keep_chosen:
@@ -207,15 +259,11 @@ class CommsStepChecker:
         else:
             reasons = {d: f"{choice.reasons.get(d, '')}; not faster in the training step" for d in choice.decided}
             checked = dataclasses.replace(choice, **{d: "fp32" for d in choice.decided}, reasons=reasons, step_check=record)
-        self.selection.try_precisions(None)
         self.selection.set(checked)
         logger.info("loka comms: %s, %s", self._chosen_words() if verdict.keep_chosen else "the timing's choice", verdict.describe())
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"started": self.started, **self.check.state_dict()}
+        return self.run.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.check.load_state_dict(state)
-        self.started = bool(state.get("started", False))
-        if self.running:
-            self._apply_arm()
+        self.run.load_state_dict(state)
