@@ -37,15 +37,15 @@ the ``uvqk`` sibling group, and ``nn.Linear`` GEMMs: ``uvqk`` with ``M = T`` (to
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from loka_torchrec.mods.no_bias import mark_prediction_layer
 from loka_torchrec.mods.siblings import SiblingLinears
-from loka_job.models.options import config_from_options, positive_int
-from loka_job.training.data_spec import DataSpec, TableSpec
+from loka_job.models.options import candidate_and_history, config_from_options, positive_int, sequence_collection
+from loka_job.training.data_spec import DataSpec
 
 __all__ = ["HstuConfig", "JaggedLayout", "padded_token_count", "causal_silu_attention", "StuLayer", "HstuOverArch", "Hstu", "build_hstu"]
 
@@ -456,21 +456,6 @@ class Hstu(nn.Module):
         return self.over_arch(dense_features, self.embedding_collection(sparse_features))
 
 
-def _shared_tables(tables: Sequence[TableSpec]) -> Dict[str, List[TableSpec]]:
-    """Sequence tables grouped by table name (features that name one table share it)."""
-    groups: Dict[str, List[TableSpec]] = {}
-    for t in tables:
-        groups.setdefault(t.name, []).append(t)
-    for name, group in groups.items():
-        rows = {t.num_embeddings for t in group}
-        if len(rows) != 1:
-            raise ValueError(
-                f"data: features {[t.feature for t in group]} share table {name!r} but disagree on its rows "
-                f"{sorted(rows)}"
-            )
-    return groups
-
-
 def build_hstu(
     config: HstuConfig,
     spec: DataSpec,
@@ -504,38 +489,11 @@ def build_hstu(
         >>> model(torch.randn(2, 2), kjt).shape
         torch.Size([2])
     """
-    from torchrec.modules.embedding_configs import EmbeddingConfig
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-
     if not isinstance(config, HstuConfig):
         raise TypeError(f"config must be an HstuConfig, got {type(config).__name__}")
-    tables = spec.sequence_tables
-    features = [t.feature for t in tables]
-    if config.candidate_feature not in features:
-        raise ValueError(
-            f"HstuConfig.candidate_feature: {config.candidate_feature!r} is not a sequence feature of the data "
-            f"(sequence features: {features})"
-        )
-    history = [t for t in tables if t.feature != config.candidate_feature]
+    tables, history = candidate_and_history(spec, config.candidate_feature, "HstuConfig")
     if not history:
         raise ValueError("data: the HSTU model needs at least one history sequence feature besides the candidate")
-    for t in tables:
-        if t.embedding_dim != config.embedding_dim:
-            raise ValueError(
-                f"data.embedding_dim: table {t.name!r} (feature {t.feature!r}) is {t.embedding_dim} wide but "
-                f"HstuConfig.embedding_dim is {config.embedding_dim}"
-            )
-    ec = EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(
-                name=name,
-                embedding_dim=group[0].embedding_dim,
-                num_embeddings=group[0].num_embeddings,
-                feature_names=[t.feature for t in group],
-            )
-            for name, group in _shared_tables(tables).items()
-        ],
-        device=torch.device("meta") if embedding_device is None else embedding_device,
-    )
+    ec = sequence_collection(tables, config.embedding_dim, "HstuConfig", embedding_device)
     max_len = max(t.pooling_factor for t in history)
     return Hstu(ec, [t.feature for t in history], spec.num_dense, max_len, config, device)

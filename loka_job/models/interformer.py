@@ -45,7 +45,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from loka_job.models.options import config_from_options, int_tuple, pooled_token_tables, positive_int
+from loka_job.models.options import (
+    candidate_and_history, config_from_options, int_tuple, pooled_token_tables, positive_int, sequence_collection,
+)
 from loka_job.training.data_spec import DataSpec
 
 __all__ = [
@@ -417,47 +419,21 @@ def build_interformer(
         >>> model(torch.randn(2, 2), kjt).shape
         torch.Size([2])
     """
-    from torchrec.modules.embedding_configs import EmbeddingConfig
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-
     if not isinstance(config, InterformerConfig):
         raise TypeError(f"config must be an InterformerConfig, got {type(config).__name__}")
-    tables = spec.sequence_tables
-    features = [t.feature for t in tables]
-    if config.candidate_feature not in features:
-        raise ValueError(
-            f"InterformerConfig.candidate_feature: {config.candidate_feature!r} is not a sequence feature of the data "
-            f"(sequence features: {features})"
-        )
-    history = [t for t in tables if t.feature != config.candidate_feature]
+    tables, history = candidate_and_history(spec, config.candidate_feature, "InterformerConfig")
     if len(history) != 1:
         raise ValueError(
             f"data: the Interformer model reads one history sequence feature besides the candidate, got "
             f"{[t.feature for t in history]}"
         )
-    for t in tables:
-        if t.embedding_dim != config.embedding_dim:
-            raise ValueError(
-                f"data.embedding_dim: table {t.name!r} (feature {t.feature!r}) is {t.embedding_dim} wide but "
-                f"InterformerConfig.embedding_dim is {config.embedding_dim}"
-            )
+    ec = sequence_collection(tables, config.embedding_dim, "InterformerConfig", embedding_device)
     max_len = history[0].pooling_factor
     if config.recent_tokens > max_len:
         raise ValueError(
             f"InterformerConfig.recent_tokens ({config.recent_tokens}) must be <= the longest history "
             f"(data.max_seq_len = {max_len})"
         )
-    by_table: Dict[str, List[str]] = {}
-    for t in tables:
-        by_table.setdefault(t.name, []).append(t.feature)
-    rows = {t.name: t.num_embeddings for t in tables}
-    ec = EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(name=name, embedding_dim=config.embedding_dim, num_embeddings=rows[name], feature_names=names)
-            for name, names in by_table.items()
-        ],
-        device=torch.device("meta") if embedding_device is None else embedding_device,
-    )
     context = [t.feature for t in spec.pooled_tables]
     ebc = (
         pooled_token_tables(spec, config.embedding_dim, "InterformerConfig", "Interformer", embedding_device)

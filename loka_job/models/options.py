@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
-__all__ = ["positive_int", "int_tuple", "config_from_options"]
+__all__ = ["positive_int", "int_tuple", "config_from_options", "pooled_token_tables", "candidate_and_history", "sequence_collection"]
 
 C = TypeVar("C")
 
@@ -76,3 +76,60 @@ def pooled_token_tables(spec, embedding_dim: int, owner: str, model: str, embedd
         for t in tables
     ]
     return EmbeddingBagCollection(tables=configs, device=torch.device("meta") if embedding_device is None else embedding_device)
+
+
+def candidate_and_history(spec, candidate_feature: str, owner: str):
+    """``(sequence tables, history tables)`` of a model that reads one candidate sequence feature and
+    the other sequence features as its history (HSTU, Interformer); the candidate must be one of them.
+
+    Args:
+        spec: the :class:`~loka_job.training.data_spec.DataSpec`.
+        candidate_feature: the candidate's feature name.
+        owner: the config class, for the error.
+    """
+    tables = spec.sequence_tables
+    features = [t.feature for t in tables]
+    if candidate_feature not in features:
+        raise ValueError(
+            f"{owner}.candidate_feature: {candidate_feature!r} is not a sequence feature of the data "
+            f"(sequence features: {features})"
+        )
+    return tables, [t for t in tables if t.feature != candidate_feature]
+
+
+def sequence_collection(tables, embedding_dim: int, owner: str, embedding_device):
+    """The ``EmbeddingCollection`` of sequence ``tables`` that all are ``embedding_dim`` wide; features
+    naming one table share it (they must agree on its rows).
+
+    Args:
+        tables: the sequence :class:`~loka_job.training.data_spec.TableSpec` s.
+        embedding_dim: the width every table must have.
+        owner: the config class, for the errors.
+        embedding_device: for the tables; ``None``: ``meta`` (``DistributedModelParallel`` materializes them).
+    """
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    for t in tables:
+        if t.embedding_dim != embedding_dim:
+            raise ValueError(
+                f"data.embedding_dim: table {t.name!r} (feature {t.feature!r}) is {t.embedding_dim} wide but "
+                f"{owner}.embedding_dim is {embedding_dim}"
+            )
+    groups = {}
+    for t in tables:
+        groups.setdefault(t.name, []).append(t)
+    for name, group in groups.items():
+        rows = {t.num_embeddings for t in group}
+        if len(rows) != 1:
+            raise ValueError(
+                f"data: features {[t.feature for t in group]} share table {name!r} but disagree on its rows "
+                f"{sorted(rows)}"
+            )
+    configs = [
+        EmbeddingConfig(name=name, embedding_dim=embedding_dim, num_embeddings=group[0].num_embeddings,
+                        feature_names=[t.feature for t in group])  # fmt: skip
+        for name, group in groups.items()
+    ]
+    return EmbeddingCollection(tables=configs, device=torch.device("meta") if embedding_device is None else embedding_device)
