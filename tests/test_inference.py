@@ -15,6 +15,7 @@ from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.evidence import BF16, KernelChoice
 from loka_torchrec.fp8.error_metrics import sqnr_db
 from loka_torchrec.inference import Fp8InferenceLinear, export_program, inference_modules
+from blocked_imports import blocking_folder
 from test_plain_modules import Tower
 
 
@@ -104,10 +105,7 @@ def test_the_exported_program_loads_and_runs_where_this_project_cannot_be_import
     torch.save(x, tmp_path / "x.pt")
     with torch.no_grad():
         torch.save(model(x), tmp_path / "y.pt")
-    blocker = tmp_path / "blocker"
-    for package in ("loka_torchrec", "loka_job"):
-        (blocker / package).mkdir(parents=True)
-        (blocker / package / "__init__.py").write_text(f"raise ImportError('{package} is not installed here')\n")
+    blocker = blocking_folder(tmp_path, ("loka_torchrec", "loka_job"))
     script = textwrap.dedent(f"""
         import sys, torch
         program = torch.export.load({path!r})

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from loka_job.training.trainer import TrainConfig
+from blocked_imports import blocking_folder
 from multirank import run_job
 from small_job import SMALL_DLRM
 
@@ -52,10 +53,7 @@ def test_a_two_rank_job_exports_its_dense_modules_and_they_run_without_this_proj
 def _runs_with_torch_alone(tmp_path, folder, names):
     """A process in which this project, and TorchRec, cannot be imported loads each program and
     reproduces its output on the kept inputs."""
-    blocker = tmp_path / "blocker"
-    for package in ("loka_torchrec", "loka_job", "torchrec", "fbgemm_gpu"):
-        (blocker / package).mkdir(parents=True, exist_ok=True)
-        (blocker / package / "__init__.py").write_text(f"raise ImportError('{package} is not installed here')\n")
+    blocker = blocking_folder(tmp_path, ("loka_torchrec", "loka_job", "torchrec", "fbgemm_gpu"))
     script = textwrap.dedent(f"""
         import sys, torch
         for name in {list(names)!r}:
