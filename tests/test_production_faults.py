@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import time
 
 import pytest
 
@@ -130,6 +131,9 @@ def test_a_stopped_peer_is_named_by_the_watchdog_within_its_bound(tmp_path):
     run = tmp_path / "run"
     with start(run, FOREVER, "train.peer_timeout_s=6") as job:
         job.wait_until(lambda: min(last_step(run, 0), last_step(run, 1)) >= 3, "step 3 on both ranks")
+        # A rank publishes its step once per watchdog poll (0.6 s at this timeout): three polls later
+        # rank 1's published step is one it finished, not the set-up it may still show right after step 3.
+        time.sleep(3 * min(1.0, 6 / 10))
         os.kill(job.processes[1].pid, signal.SIGSTOP)
         job.wait_until(lambda: job.processes[0].exitcode is not None, "rank 0's end", timeout=180)
         assert job.processes[0].exitcode == 1
