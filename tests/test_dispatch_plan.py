@@ -314,7 +314,7 @@ def test_compiled_dispatch_shares_quantizations(compiled, monkeypatch):
     real_decide = dispatcher_module.decide
     monkeypatch.setattr(dispatcher_module, "decide", lambda evidence, sizes, **kw: real_decide(pool, sizes, **kw))
     checked = []  # the layer check sees the per-GEMM picks; the sharing comes after it (compiled)
-    monkeypatch.setattr(report.dispatcher, "_check_layers", lambda plan, step: checked.append(plan) or plan)
+    monkeypatch.setattr(report.dispatcher, "_check_layers", lambda plan, step: (checked.append(plan), (plan, []))[1])
     model(torch.randn(64, 32)).sum().backward()
     report.dispatcher.on_step_end(1)
     per_gemm = LayerKernels(TENSORWISE, TENSORWISE, FBGEMM_ROWWISE)

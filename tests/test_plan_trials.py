@@ -3,6 +3,8 @@ plans, and the fastest is kept (or bf16)."""
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,33 +14,33 @@ import loka_torchrec
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch import dispatcher as dispatcher_module
 from loka_torchrec.dispatch.plan import DispatchPlan, LayerPlan, RoleDecision
-from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans
+from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans, ranked_plans
 from loka_torchrec.evidence import BF16, GemmRole, KernelChoice
 
 TW = KernelChoice("emulated", "tensorwise")
 
 
-def _plan(fp8_layers, step=1):
+def _plan(fp8_layers, step=1, names=("a", "b", "c")):
     layers = {}
-    for name in ("a", "b", "c"):
+    for name in names:
         choice = TW if name in fp8_layers else BF16
         layers[name] = LayerPlan(name, 8, 8, 16, {role: RoleDecision(choice, "r", "policy/probe") for role in GemmRole})
     return DispatchPlan(layers, "policy", step)
 
 
 def test_the_fastest_candidate_is_kept_and_bf16_when_none_is_faster():
-    trials = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    trials = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
     assert trials.labels == [LAYER_CHECKED, ACCURACY_GATED] and trials.current().fp8_gemm_count() == 3
     trials.record(10.0, 9.8, tolerance=0.02)
     assert not trials.done and trials.current().fp8_gemm_count() == 6  # the next candidate is on trial
     trials.record(10.0, 9.0, tolerance=0.02)
     assert trials.chosen == 1 and trials.current().fp8_gemm_count() == 6
     assert "kept the accuracy-gated plan: median step 9.00 ms against 10.00 ms in bf16 (layer-checked 9.80 ms)" in trials.describe()
-    slower = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    slower = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
     slower.record(10.0, 10.3, tolerance=0.02)
     slower.record(10.0, 10.5, tolerance=0.02)
     assert slower.chosen == BF16_CHOSEN and "returned to bf16" in slower.describe()
-    within = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    within = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
     within.record(10.0, 10.1, tolerance=0.02)  # inside the tolerance: not slower
     within.record(10.0, 10.15, tolerance=0.02)
     assert within.chosen == 0
@@ -47,15 +49,52 @@ def test_the_fastest_candidate_is_kept_and_bf16_when_none_is_faster():
 
 
 def test_candidates_without_fp8_or_repeated_are_dropped():
-    assert [label for label, _ in candidate_plans(_plan(set()), _plan({"a"}))] == [ACCURACY_GATED]
-    assert [label for label, _ in candidate_plans(_plan({"a"}), _plan({"a"}))] == [LAYER_CHECKED]
-    assert candidate_plans(_plan(set()), _plan(set())) == []
+    assert [label for label, _ in candidate_plans((LAYER_CHECKED, _plan(set())), (ACCURACY_GATED, _plan({"a"})))] == [ACCURACY_GATED]
+    assert [label for label, _ in candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a"})))] == [LAYER_CHECKED]
+    assert candidate_plans((LAYER_CHECKED, _plan(set())), (ACCURACY_GATED, _plan(set()))) == []
     with pytest.raises(ValueError, match="at least one candidate"):
         PlanTrials.of([])
 
 
+def test_ranked_plans_add_the_layer_check_rejects_back_best_first():
+    names = ["a", "b", "c", "d", "e", "f"]
+    gated = _plan(set(names), names=names)
+    checked = _plan({"a"}, names=names)  # the layer check kept a, sent b..f back
+    records = [
+        {"layer": "a", "rows": 16, "speedup": 1.2, "kept_fp8": True},
+        {"layer": "b", "rows": 16, "speedup": 0.6, "kept_fp8": False},
+        {"layer": "c", "rows": 16, "speedup": 0.95, "kept_fp8": False},
+        {"layer": "d", "rows": 16, "speedup": 0.8, "kept_fp8": False},
+        {"layer": "e", "rows": 16, "error": "RuntimeError: no kernel", "kept_fp8": False},  # never added back
+        {"layer": "f", "rows": 16, "speedup": 0.9, "kept_fp8": False},
+    ]
+    fp8 = lambda plan: sorted(n for n, lp in plan.layers.items() if not lp.kernels.all_high_precision)  # noqa: E731
+    (half,) = ranked_plans(checked, gated, records, parts=1)
+    assert half[0] == "layer-ranked 2/4" and fp8(half[1]) == ["a", "c", "f"]  # 0.95 and 0.9 first
+    thirds = ranked_plans(checked, gated, records, parts=2)
+    assert [(label, fp8(p)) for label, p in thirds] == [("layer-ranked 2/4", ["a", "c", "f"]), ("layer-ranked 3/4", ["a", "c", "d", "f"])]
+    quarters = ranked_plans(checked, gated, records, parts=3)
+    assert [label for label, _ in quarters] == ["layer-ranked 1/4", "layer-ranked 2/4", "layer-ranked 3/4"]
+    assert ranked_plans(checked, gated, records, parts=0) == []
+    assert ranked_plans(checked, gated, [], parts=1) == []  # no records: nothing ranks a layer
+    # Ties in speedup go to the layer with more multiply-adds (rows), then to the name.
+    tied = [dict(r, speedup=0.9) for r in records[1:4]]
+    tied[2]["rows"] = 64  # d
+    (tie,) = ranked_plans(checked, gated, tied, parts=2)[:1]
+    assert fp8(tie[1]) == ["a", "d"]  # 1 of 3 (ceil(3 / 3)): d has the most rows
+    # In order of trial: layer-checked, the ranked ones, accuracy-gated; all are plans with FP8.
+    labels = [label for label, _ in candidate_plans((LAYER_CHECKED, checked), *thirds, (ACCURACY_GATED, gated))]
+    assert labels == [LAYER_CHECKED, "layer-ranked 2/4", "layer-ranked 3/4", ACCURACY_GATED]
+    # Where the layer check kept nothing, the ranked plan is the conservative first candidate.
+    nothing = _plan(set(), names=names)
+    records_none = [dict(r, kept_fp8=False) for r in records]
+    labels = [label for label, _ in candidate_plans((LAYER_CHECKED, nothing), *ranked_plans(nothing, gated, records_none, 1),
+                                                    (ACCURACY_GATED, gated))]  # fmt: skip
+    assert labels == ["layer-ranked 3/5", ACCURACY_GATED]
+
+
 def test_what_the_gradient_check_demotes_in_the_broadest_plan_is_demoted_in_every_candidate():
-    trials = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    trials = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
     broadest = trials.broadest()
     assert broadest.fp8_gemm_count() == 6
     checked_layers = dict(broadest.layers)
@@ -71,7 +110,7 @@ def test_what_the_gradient_check_demotes_in_the_broadest_plan_is_demoted_in_ever
 
 
 def test_trials_round_trip_through_their_dict():
-    trials = PlanTrials.of(candidate_plans(_plan({"a"}), _plan({"a", "b"})))
+    trials = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
     trials.record(10.0, 9.5, tolerance=0.02)
     back = PlanTrials.from_dict(json.loads(json.dumps(trials.to_dict())))
     assert back.index == 1 and back.medians == [(10.0, 9.5), None] and back.chosen is None
@@ -132,6 +171,87 @@ def test_the_dispatcher_tries_both_plans_and_keeps_the_fastest(tmp_path, monkeyp
     in_force = d.in_force().fp8_gemm_count()
     assert all(v is None for v in _run_window(d, 20, 50.0))  # no verdict after the trials: the choice stands
     assert d.in_force().fp8_gemm_count() == in_force
+
+
+def _ranked_dispatcher(tmp_path, monkeypatch, window=3):
+    """A compiled dispatcher of a 4-layer model whose layer check keeps the first layer and ranks
+    the others, with times, as the real check records them."""
+    speedups = {"2": 0.9, "4": 0.6, "6": 0.8}
+
+    def layer_check_with_records(plan, layers, **kwargs):
+        checked, records = {}, []
+        for name, lp in plan.layers.items():
+            keep = name == "0"
+            records.append({"layer": name, "rows": 64, "fp8_ms": 1.0, "bf16_ms": speedups.get(name, 1.2),
+                            "speedup": speedups.get(name, 1.2), "speedup_low": speedups.get(name, 1.2), "kept_fp8": keep})  # fmt: skip
+            checked[name] = lp if keep else dataclasses.replace(lp, roles={
+                role: RoleDecision(BF16, "layer check: slower alone", "policy/layer_check") for role in lp.roles})  # fmt: skip
+        return dataclasses.replace(plan, layers=checked), records
+
+    monkeypatch.setattr(dispatcher_module, "check_plan_layers", layer_check_with_records)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    cfg = DispatchConfig(mode="policy", plan_at_step=1, min_speedup=0.0, samples=3, timing_reps=1, step_guard_window=window,
+                         layer_check_reps=1, candidates=("scaled_mm:tensorwise",), compiled=True, ranked_trials=1)  # fmt: skip
+    report = loka_torchrec.apply(model, cfg, run_dir=str(tmp_path))
+    model(torch.randn(64, 32)).sum().backward()
+    return model, report.dispatcher
+
+
+def test_the_dispatcher_tries_the_best_ranked_rejects_between_the_two_ends(tmp_path, monkeypatch):
+    model, d = _ranked_dispatcher(tmp_path, monkeypatch)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    trials = d.trials
+    assert trials.labels == [LAYER_CHECKED, "layer-ranked 2/3", ACCURACY_GATED]
+    fp8_layers = [sorted(n for n, lp in p.layers.items() if not lp.kernels.all_high_precision) for p in trials.candidates]
+    assert fp8_layers == [["0"], ["0", "2", "6"], ["0", "2", "4", "6"]]  # 2 (0.9x alone) and 6 (0.8x), not 4 (0.6x)
+    _run_window(d, 4, 9.8)
+    assert trials.index == 1 and sorted(n for n, k in d.in_force().kernels.items() if not k.all_high_precision) == ["0", "2", "6"]
+    _run_window(d, 12, 9.0)  # the ranked plan: the fastest
+    _run_window(d, 20, 9.5)
+    assert trials.done and trials.labels[trials.chosen] == "layer-ranked 2/3"
+    assert "kept the layer-ranked 2/3 plan: median step 9.00 ms against 10.00 ms in bf16" in trials.describe()
+    assert d.in_force().fp8_gemm_count() == 9
+    model(torch.randn(8, 32)).sum().backward()  # the kept kernels run
+    events = [json.loads(line) for line in (tmp_path / "dispatch_events.jsonl").read_text().splitlines()]
+    assert [e["candidate"] for e in events if e["event"] == "plan_trial"] == [LAYER_CHECKED, "layer-ranked 2/3", ACCURACY_GATED]
+    # Off: only the two ends are tried.
+    model, d = _ranked_dispatcher(tmp_path / "off", monkeypatch)
+    d.config = dataclasses.replace(d.config, ranked_trials=0)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    assert d.trials.labels == [LAYER_CHECKED, ACCURACY_GATED]
+    with pytest.raises(ValueError, match="dispatch.ranked_trials: must be an int >= 0, got -1"):
+        DispatchConfig(ranked_trials=-1)
+
+
+def _ranked_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mp = pytest.MonkeyPatch()
+        model, d = _ranked_dispatcher(Path(out_dir) / f"run{rank}", mp)
+        for step in range(1, 4):
+            d.observe_step_time(step, 10.0)
+        d.on_step_end(1)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"labels": d.trials.labels, "digests": [p.digest() for p in d.trials.candidates]}, f)
+        mp.undo()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_try_the_same_labelled_candidates(tmp_path):
+    from multirank import spawn_ranks
+
+    spawn_ranks(_ranked_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1] and results[0]["labels"] == [LAYER_CHECKED, "layer-ranked 2/3", ACCURACY_GATED]
 
 
 def test_a_checkpoint_in_the_middle_of_the_trials_resumes_them(tmp_path, monkeypatch):

@@ -55,6 +55,11 @@ class DispatchConfig:
             whole (forward + backward, host overhead included) against bf16 with this many
             repetitions, and goes back to bf16 unless it reaches ``min_speedup``
             (:mod:`loka_torchrec.dispatch.layer_check`); 0 turns the check off.
+        ranked_trials: where the layers run compiled, how many plans the training step tries
+            between the layer-checked and the accuracy-gated ones: the layers the layer check sent
+            back to bf16, ranked by how close their FP8 variant came to bf16 alone, added back in
+            ``ranked_trials + 1`` equal parts (:mod:`loka_torchrec.dispatch.plan_trials`); 0 tries
+            only the two ends. Each plan tried runs one step-time guard window.
         min_grad_sqnr_db: the floor of :meth:`Dispatcher.check_gradients`: every site's weight
             gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
             high precision; the FP8 roles that push one below it go back to bf16
@@ -106,6 +111,7 @@ class DispatchConfig:
     step_guard_window: int = 50
     step_guard_tolerance: float = 0.02
     layer_check_reps: int = 10
+    ranked_trials: int = 1
     compiled: bool = False
     min_grad_sqnr_db: float = 17.0
     max_grad_noise_ratio: float = 0.1
@@ -150,6 +156,8 @@ class DispatchConfig:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if self.layer_check_reps < 0:
             raise ValueError(f"dispatch.layer_check_reps: must be an int >= 0, got {self.layer_check_reps!r}")
+        if self.ranked_trials < 0:
+            raise ValueError(f"dispatch.ranked_trials: must be an int >= 0, got {self.ranked_trials!r}")
         if math.isnan(self.min_grad_sqnr_db):
             raise ValueError(f"dispatch.min_grad_sqnr_db: expected a number of dB, got {self.min_grad_sqnr_db!r}")
         ratio = self.max_grad_noise_ratio

@@ -47,7 +47,7 @@ from loka_torchrec.dispatch.resume import overriding_field, warn_differing_field
 from loka_torchrec.dispatch.random_evidence import measure_random_evidence
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.recipes import recipe_for
-from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans
+from loka_torchrec.dispatch.plan_trials import ACCURACY_GATED, BF16_CHOSEN, LAYER_CHECKED, PlanTrials, candidate_plans, ranked_plans
 from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
@@ -157,10 +157,14 @@ class Dispatcher(EvidenceConsumer):
             )
             t1 = time.perf_counter()
             self.seconds["decide"] += t1 - t0
-            gated = plan
+            gated, checks = plan, []
             if self.config.layer_check_reps > 0:
-                plan = self._check_layers(plan, step)
+                plan, checks = self._check_layers(plan, step)
             self.seconds["layer_check"] += time.perf_counter() - t1
+            labelled = [(LAYER_CHECKED, plan)]
+            if self._tries_plans():  # the compiled step judges the plans the layer check judged eagerly
+                ranked = ranked_plans(plan, gated, checks, self.config.ranked_trials)
+                labelled = candidate_plans((LAYER_CHECKED, plan), *ranked, (ACCURACY_GATED, gated)) or labelled
             if self.config.compiled:
                 # After the layer check: it decides FP8 against bf16 per layer, timing eager layers,
                 # where a tensorwise operand pays a quantization that the compiled step fuses and shares.
@@ -168,15 +172,13 @@ class Dispatcher(EvidenceConsumer):
                     share_quantizations, max_mere=self.config.max_mere, min_speedup=self.config.min_speedup,
                     max_noise_ratio=self.config.max_grad_noise_ratio,
                 )
-                plan, gated = share(plan), share(gated)
-            plans = [plan]
-            if self._tries_plans():  # the compiled step judges the plans the layer check judged eagerly
-                plans = [p for _, p in candidate_plans(plan, gated)] or [plan]
-        plans = [self._annotated(p) for p in self._ranks.broadcast_plans(plans)]
+                labelled = [(label, share(p)) for label, p in labelled]
+            plans = labelled
+        labelled = [(label, self._annotated(p)) for label, p in self._ranks.broadcast_labelled(plans)]
         self._trials = None
-        if len(plans) > 1:  # both candidates, the layer-checked one first
-            self._trials = PlanTrials.of([(LAYER_CHECKED, plans[0]), (ACCURACY_GATED, plans[1])])
-        plan = self.plan = plans[0]
+        if len(labelled) > 1:  # the candidates, the layer-checked one first
+            self._trials = PlanTrials.of(labelled)
+        plan = self.plan = labelled[0][1]
         self._guard.restart()
         self._apply(plan)
         self._verify_identical()
@@ -186,8 +188,9 @@ class Dispatcher(EvidenceConsumer):
             logger.info("dispatch plan at step %d (evidence: %s):\n%s", step, source, plan.table(self.in_force()))
         self._announce(f"plan made at step {step} from {source} evidence")
 
-    def _check_layers(self, plan: DispatchPlan, step: int) -> DispatchPlan:
-        """``plan`` with the FP8 layers that are not faster as a whole back in bf16 (rank 0 times them)."""
+    def _check_layers(self, plan: DispatchPlan, step: int) -> Tuple[DispatchPlan, List[dict]]:
+        """``plan`` with the FP8 layers that are not faster as a whole back in bf16 (rank 0 times
+        them), and the check's records (what ranks the plans between the two, :func:`ranked_plans`)."""
         before = plan.fp8_gemm_count()
         plan, records = check_plan_layers(
             plan, self._layers, min_speedup=self.config.min_speedup, reps=self.config.layer_check_reps,
@@ -200,7 +203,7 @@ class Dispatcher(EvidenceConsumer):
                 "dispatch: layer check at step %d kept %d of %d FP8 layers (%d -> %d FP8 GEMMs)",
                 step, sum(r["kept_fp8"] for r in records), len(records), before, plan.fp8_gemm_count(),
             )
-        return plan
+        return plan, records
 
     def check_gradients(self, loss_fn: Callable[[], torch.Tensor], *, step: int = 0) -> DispatchPlan:
         """Send back to bf16 the FP8 roles that put a site's weight gradient below

@@ -6,7 +6,7 @@ is read at each call: a Dispatcher may be made before the process group exists.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,13 @@ class PlanRanks:
             return list(plans)
         payload = self._from_rank0([[p.to_dict() for p in plans] if plans is not None else None])
         return [DispatchPlan.from_dict(p) for p in payload[0]]
+
+    def broadcast_labelled(self, labelled: Optional[List[Tuple[str, DispatchPlan]]]) -> List[Tuple[str, DispatchPlan]]:
+        """Rank 0's list of ``(label, plan)`` pairs, on every rank."""
+        if self._alone():
+            return list(labelled)
+        payload = self._from_rank0([[(label, p.to_dict()) for label, p in labelled] if labelled is not None else None])
+        return [(str(label), DispatchPlan.from_dict(p)) for label, p in payload[0]]
 
     def broadcast(self, plan: Optional[DispatchPlan]) -> DispatchPlan:
         """Rank 0's plan, on every rank."""

@@ -11,10 +11,15 @@ first:
 
 1. ``"layer-checked"``: the policy's plan after the layer check (every layer whose FP8 variant
    was not faster alone back in bf16);
-2. ``"accuracy-gated"``: the policy's plan before it (every GEMM that passed the accuracy and
-   speed gates on its own evidence).
+2. ``"layer-ranked K/N"`` (``dispatch.ranked_trials`` of them, default one): the layer-checked
+   plan plus the ``K`` of the ``N`` layers the layer check sent back whose FP8 variant came
+   closest to bf16 alone (its speedup there, highest first). Where a few large layers gain and
+   many small ones lose, the whole accuracy-gated plan can be slower than bf16 while a part of
+   it is faster; the layer check's ranking says which part to try (:func:`ranked_plans`);
+3. ``"accuracy-gated"``: the policy's plan before the layer check (every GEMM that passed the
+   accuracy and speed gates on its own evidence).
 
-Plans without an FP8 GEMM, and a second plan equal to the first, are dropped. Each candidate runs
+Plans without an FP8 GEMM, and a plan equal to an earlier one, are dropped. Each candidate runs
 for one window of the step-time guard (:mod:`loka_torchrec.dispatch.step_guard`: a few settling
 steps, then ``window`` timed steps, against the bf16 steps before the plan); when every candidate
 has its median, the fastest one that is not slower than bf16 (within the guard's tolerance) is
@@ -29,11 +34,12 @@ each verdict and records the events.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from loka_torchrec.dispatch.plan import DispatchPlan
 
-__all__ = ["PlanTrials", "candidate_plans", "LAYER_CHECKED", "ACCURACY_GATED", "BF16_CHOSEN"]
+__all__ = ["PlanTrials", "candidate_plans", "ranked_plans", "LAYER_CHECKED", "ACCURACY_GATED", "BF16_CHOSEN"]
 
 LAYER_CHECKED = "layer-checked"
 ACCURACY_GATED = "accuracy-gated"
@@ -47,7 +53,7 @@ class PlanTrials:
 
     Attributes:
         candidates: the plans, in the order they are tried (see the module docstring).
-        labels: what each candidate is (:data:`LAYER_CHECKED`, :data:`ACCURACY_GATED`).
+        labels: what each candidate is (:data:`LAYER_CHECKED`, ``"layer-ranked K/N"``, :data:`ACCURACY_GATED`).
         medians: per tried candidate, ``(bf16_ms, fp8_ms)``: the guard's medians before the plan and
             with it (``None`` while not tried).
         index: the candidate on trial now (``len(candidates)`` once all are tried).
@@ -169,10 +175,60 @@ def _with_decisions(plan: DispatchPlan, decisions: Dict[Tuple[str, Any], Any]) -
     return dataclasses.replace(plan, layers=layers)
 
 
-def candidate_plans(layer_checked: DispatchPlan, accuracy_gated: DispatchPlan) -> List[Tuple[str, DispatchPlan]]:
-    """The candidates worth a trial, in order: those with an FP8 GEMM, a repeat dropped."""
+def ranked_plans(
+    layer_checked: DispatchPlan, accuracy_gated: DispatchPlan, layer_check: Sequence[Mapping[str, Any]], parts: int
+) -> List[Tuple[str, DispatchPlan]]:
+    """Plans between ``layer_checked`` and ``accuracy_gated``, the layers the layer check sent back
+    to bf16 added back best first, in ``parts + 1`` equal steps (the last step, all of them, is
+    ``accuracy_gated`` itself and not returned).
+
+    Args:
+        layer_checked, accuracy_gated: the policy's plan after and before the layer check.
+        layer_check: the check's records (:func:`~loka_torchrec.dispatch.layer_check.check_plan_layers`):
+            a layer's ``speedup`` (bf16 time over FP8 time, the layer alone) ranks it, its
+            multiply-adds (``rows`` times the layer's sizes) break ties, then its name. A layer whose
+            FP8 variant failed to run (a record with ``error``), or with no record, is never added back.
+        parts: how many intermediate plans (``dispatch.ranked_trials``); 0 gives none.
+
+    Returns:
+        ``[("layer-ranked K/N", plan), ...]``, ``K`` growing, each plan holding ``accuracy_gated``'s
+        kernels for the ``K`` best of the ``N`` layers sent back, ``layer_checked``'s for the rest.
+
+    Example::
+
+        >>> from loka_torchrec.dispatch.plan import DispatchPlan
+        >>> empty = DispatchPlan({}, "policy")
+        >>> ranked_plans(empty, empty, [], parts=1)
+        []
+    """
+    sent_back = [
+        r for r in layer_check
+        if "speedup" in r and not r.get("kept_fp8") and r["layer"] in accuracy_gated.layers
+        and r["layer"] in layer_checked.layers and not accuracy_gated.layers[r["layer"]].kernels.all_high_precision
+    ]  # fmt: skip
+
+    def multiply_adds(record) -> int:
+        layer = accuracy_gated.layers[record["layer"]]
+        return int(record.get("rows") or 0) * layer.in_features * layer.out_features
+
+    sent_back.sort(key=lambda r: (-float(r["speedup"]), -multiply_adds(r), r["layer"]))
+    total = len(sent_back)
     out: List[Tuple[str, DispatchPlan]] = []
-    for label, plan in ((LAYER_CHECKED, layer_checked), (ACCURACY_GATED, accuracy_gated)):
+    for part in range(1, max(int(parts), 0) + 1):
+        count = math.ceil(total * part / (parts + 1))
+        if count == 0 or count == total:
+            continue
+        added = {r["layer"] for r in sent_back[:count]}
+        layers = {name: (accuracy_gated.layers[name] if name in added else lp) for name, lp in layer_checked.layers.items()}
+        out.append((f"layer-ranked {count}/{total}", dataclasses.replace(layer_checked, layers=layers)))
+    return out
+
+
+def candidate_plans(*labelled: Tuple[str, DispatchPlan]) -> List[Tuple[str, DispatchPlan]]:
+    """The ``(label, plan)`` pairs worth a trial, in the order given: those with an FP8 GEMM, a
+    plan equal to an earlier one dropped."""
+    out: List[Tuple[str, DispatchPlan]] = []
+    for label, plan in labelled:
         if plan.fp8_gemm_count() and all(plan.digest() != p.digest() for _, p in out):
             out.append((label, plan))
     return out
