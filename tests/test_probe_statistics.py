@@ -62,6 +62,32 @@ def test_merge_equals_single_pass_and_no_cancellation_at_large_offset():
     assert merged.count == single.count
 
 
+def test_a_clone_on_another_device_is_an_independent_copy_made_there():
+    stats = TensorStatistics(6, max_cov_dim=4, key="layer|act")
+    stats.update(torch.randn(10, 6, dtype=torch.float64))
+    copy = stats.clone("cpu")
+    assert copy.m2_cov.data_ptr() != stats.m2_cov.data_ptr() and copy.summary() == stats.summary()
+    copy.update(torch.randn(3, 6, dtype=torch.float64))
+    assert (copy.count, stats.count) == (13, 10)  # the original is untouched
+    on_meta = stats.clone("meta")  # straight onto the target device
+    assert on_meta.device.type == "meta" and all(
+        getattr(on_meta, name).device.type == "meta" for name in ("mean", "m2_diag", "m2_cov", "amax")
+    )
+    assert on_meta.count == 10 and torch.equal(on_meta.cov_index, stats.cov_index)
+
+
+def test_accumulated_statistics_are_merged_on_the_host():
+    from loka_torchrec.probe.step_end import HOST, merged_into
+
+    step = TensorStatistics(4)
+    step.update(torch.randn(8, 4, dtype=torch.float64))
+    acc = merged_into(None, step)
+    assert acc.device == HOST and acc is not step
+    acc = merged_into(acc, step)
+    assert acc.count == 16
+    assert torch.allclose(acc.mean, step.mean) and torch.allclose(acc.m2_cov, 2 * step.m2_cov)  # same rows twice
+
+
 def test_uncentred_kurtosis_matches_scipy():
     scipy_stats = pytest.importorskip("scipy.stats")
     rng = np.random.default_rng(2)

@@ -119,9 +119,14 @@ class LayerEvaluator:
         self, name: str, act: TensorStatistics, grad: TensorStatistics
     ) -> Tuple[List[CandidateEvidence], List[Dict[str, Any]]]:
         state = self._layers[name]
+        weight = state.module.weight.detach()
+        # The accumulated statistics live on the host (probe.step_end.HOST): sampled on the layer's device.
+        act = act if act.device == weight.device else act.clone(weight.device)
+        if grad is not None and grad.device != weight.device:
+            grad = grad.clone(weight.device)
         snap = LayerSnapshot(
             name=name,
-            weight=state.module.weight.detach(),
+            weight=weight,
             act=act,
             grad=grad,
             weight_stats=state.weight,

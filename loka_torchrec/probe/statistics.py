@@ -165,20 +165,21 @@ class TensorStatistics:
         self._device = device
         return self
 
-    def empty_like(self) -> "TensorStatistics":
-        """A fresh, empty instance with the same dim and covariance subset, on the same device."""
+    def empty_like(self, device: "torch.device | str | None" = None) -> "TensorStatistics":
+        """A fresh, empty instance with the same dim and covariance subset, on ``device`` (default: this one's)."""
         out = TensorStatistics.__new__(TensorStatistics)
         out.dim, out.cov_index = self.dim, self.cov_index
         out.count = out.light_rows = out.numel = out.max_rows = out.sat_numel = 0
-        out._device = self._device
-        out._alloc(self._device)
+        out._device = self._device if device is None else torch.device(device)
+        out._alloc(out._device)
         return out
 
-    def clone(self) -> "TensorStatistics":
-        out = self.empty_like()
+    def clone(self, device: "torch.device | str | None" = None) -> "TensorStatistics":
+        """A copy, on ``device`` (default: this one's); copied there directly, with no second copy here."""
+        out = self.empty_like(device)
         for name in self._TENSORS:
             value = getattr(self, name)
-            setattr(out, name, value.clone() if value is not None else None)
+            setattr(out, name, value.to(out._device, copy=True) if value is not None else None)
         for name in self._COUNTS:
             setattr(out, name, getattr(self, name))
         return out
@@ -317,7 +318,7 @@ class TensorStatistics:
                 f"other: expected statistics of dim {self.dim} with the same covariance subset, got dim {other.dim}"
             )
         if other.device != self.device:
-            other = other.clone().to(self.device)
+            other = other.clone(self.device)
         self._combine(other.count, other.mean, other.m2_diag, other.m2_cov)
         for name in ("sum_sq", "sum_4th", "sum_row_ms_sq", "nonfinite", "underflow", "saturation", "below_floor"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

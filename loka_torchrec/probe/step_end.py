@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from loka_torchrec.probe.layer_state import LayerState, StepDigest
 from loka_torchrec.probe.merge import all_reduce_statistics, rank_deviation
 from loka_torchrec.probe.statistics import TensorStatistics
@@ -70,6 +72,19 @@ def merge_step(states: Sequence[LayerState], group: Optional[Any], step: int) ->
     return MergedStep(merged_act, merged_grad, digests)
 
 
+HOST = torch.device("cpu")
+"""Where the statistics that accumulate over probe steps live (a layer's reference and recovery
+statistics): on the host, not on the accelerator. A probe step's window statistics are updated on
+the layer's device (the ``rows x features`` products); what is kept across steps is read only at the
+end of a probe step (the safety valve's summaries) and when evidence is made (copied to the layer's
+device for that, :mod:`~loka_torchrec.probe.evidence_rounds`), so it need not hold two full-covariance
+matrices per layer of accelerator memory for the whole run, the eager probe steps' peak included."""
+
+
 def merged_into(acc: Optional[TensorStatistics], new: TensorStatistics) -> TensorStatistics:
-    """``acc`` with ``new`` merged in (a copy of ``new`` where there is no ``acc`` yet)."""
-    return new.clone() if acc is None else acc.merge(new)
+    """``acc`` with ``new`` merged in (a copy of ``new`` where there is no ``acc`` yet), on the :data:`HOST`."""
+    if acc is None:
+        return new.clone(HOST)
+    if acc.device != HOST:  # restored onto an accelerator (a checkpoint loaded there)
+        acc = acc.to(HOST)
+    return acc.merge(new)
