@@ -163,8 +163,7 @@ class Dispatcher(EvidenceConsumer):
             self.seconds["layer_check"] += time.perf_counter() - t1
             labelled = [(LAYER_CHECKED, plan)]
             if self._tries_plans():  # the compiled step judges the plans the layer check judged eagerly
-                ranked = ranked_plans(plan, gated, checks, self.config.ranked_trials)
-                labelled = candidate_plans((LAYER_CHECKED, plan), *ranked, (ACCURACY_GATED, gated)) or labelled
+                labelled += [*ranked_plans(plan, gated, checks, self.config.ranked_trials), (ACCURACY_GATED, gated)]
             if self.config.compiled:
                 # After the layer check: it decides FP8 against bf16 per layer, timing eager layers,
                 # where a tensorwise operand pays a quantization that the compiled step fuses and shares.
@@ -173,10 +172,10 @@ class Dispatcher(EvidenceConsumer):
                     max_noise_ratio=self.config.max_grad_noise_ratio,
                 )
                 labelled = [(label, share(p)) for label, p in labelled]
-            plans = labelled
+            plans = candidate_plans(*labelled) or labelled[:1]  # those with FP8, no repeats
         labelled = [(label, self._annotated(p)) for label, p in self._ranks.broadcast_labelled(plans)]
         self._trials = None
-        if len(labelled) > 1:  # the candidates, the layer-checked one first
+        if len(labelled) > 1:  # several candidates, judged in order, the most conservative first
             self._trials = PlanTrials.of(labelled)
         plan = self.plan = labelled[0][1]
         self._guard.restart()
