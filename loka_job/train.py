@@ -257,7 +257,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         )
     for name, entry in (s.get("serving") or {}).items():
         if entry.get("exported"):
-            check = "checked: the program gives the served model's output" if entry["verified"] else "MISMATCH against the served model"
+            check = ("checked: the program gives the served model's output at " + " and ".join(map(str, entry["checked_batches"]))
+                     + " rows (any batch size)") if entry["verified"] else "MISMATCH against the served model"
             lines.append(f"serving          {entry['file']}: {entry['summary']}; {check}")
         else:
             lines.append(f"serving          {name} not exported: {entry['reason']}")

@@ -256,7 +256,17 @@ def export_program(model: nn.Module, example_args: Sequence, path: str, *, dynam
     if dynamic_batch:
         batch = Dim("batch", min=1)
         dynamic_shapes = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
+        if _takes_varargs(model):  # forward(*tensors): the specs go in one entry, for the varargs parameter
+            dynamic_shapes = (dynamic_shapes,)
     program = export(model.eval(), args, dynamic_shapes=dynamic_shapes)
     save(program, path)
     return program
 
+
+def _takes_varargs(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes its arguments as ``*args`` (``torch.export`` then wants their
+    dynamic shapes nested under that one parameter)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
