@@ -201,9 +201,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         "",
         "==== loka-torchrec run summary ====",
         f"steps            {s['steps']} ({s['steps_this_run']} this run, {s['world_size']} rank(s) on {s['device']})",
-        f"step time        {f(s['median_step_ms'], '.1f')} ms median (p10 {f(s.get('p10_step_ms'), '.1f')}, "
-        f"p90 {f(s.get('p90_step_ms'), '.1f')}, {s.get('timed_steps', 'n/a')} steps timed)    "
-        f"QPS {f(s['qps'], '.0f')} samples/s",
+        (f"step time        {f(s['median_step_ms'], '.1f')} ms median (p10 {f(s.get('p10_step_ms'), '.1f')}, "
+         f"p90 {f(s.get('p90_step_ms'), '.1f')}, {s.get('timed_steps', 'n/a')} steps timed)    "
+         f"QPS {f(s['qps'], '.0f')} samples/s") if s.get("steps_this_run") != 0 else
+        "step time        no step ran (resumed at the last step: evaluation, and export if asked, only)",
         f"train NE / AUC   {f(s['train_ne'])} / {f(s['train_auc'])}   (last logging window)",
         f"eval  NE / AUC   {f(s['eval_ne'])} / {f(s['eval_auc'])}   (teacher's own NE: {f(s.get('teacher_eval_ne'))})",
     ]

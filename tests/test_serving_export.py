@@ -90,3 +90,26 @@ def test_a_dhen_job_exports_its_over_arch_taking_the_pooled_embeddings_as_one_te
     # eager CPU training scales by each call's amax and records no history: static scales have nothing to go on
     assert set(entry["dynamic_inputs"].values()) == {"no input amax recorded in training"}
     _runs_with_torch_alone(tmp_path, run_dir / "serving", ["over_arch"])
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_exported_by_resuming_its_last_checkpoint(tmp_path):
+    """The documented export of a trained run: the same recipe resumed at its last step with
+    ``train.export_serving=true`` runs no step, evaluates the restored model as the run did, exports."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    recipe = ["-m", "loka_job.train", *SMALL_DLRM, "data.eval_batches=2", "train.steps=4", "loka.probe.enabled=false",
+              "loka.dispatch.mode=all:scaled_mm:rowwise"]  # fmt: skip
+    trained = run_job([*recipe, "train.checkpoint_every=4"], env=dict(env, LOKA_RUN_DIR=str(tmp_path / "run")), cwd=ROOT, timeout=300)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    served = run_job([*recipe, f"train.resume={tmp_path / 'run'}", "train.export_serving=true"],
+                     env=dict(env, LOKA_RUN_DIR=str(tmp_path / "serve")), cwd=ROOT, timeout=300)  # fmt: skip
+    assert served.returncode == 0, served.stdout[-3000:] + served.stderr[-3000:]
+    assert "no step ran (resumed at the last step" in served.stdout
+    before = json.loads((tmp_path / "run" / "summary.json").read_text())
+    after = json.loads((tmp_path / "serve" / "summary.json").read_text())
+    assert after["eval_ne"] == before["eval_ne"] and after["eval_auc"] == before["eval_auc"]  # the same model, evaluated again
+    serving = json.loads((tmp_path / "serve" / "serving" / "serving.json").read_text())
+    assert all(entry["exported"] and entry["verified"] for entry in serving.values())
+    assert serving["model.over_arch"]["eval"]["trained"]["ne"] == pytest.approx(before["eval_ne"], rel=1e-6)
+    _runs_with_torch_alone(tmp_path, tmp_path / "serve" / "serving", ["model.dense_arch", "model.over_arch"])
+
