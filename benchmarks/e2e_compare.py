@@ -46,6 +46,8 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   through TorchRec's DDP wrapper), so that the dense comms' gain shows for every model alike;
   ``plain_compile_auto_allreduce``, ``loka_compile_default_auto_allreduce``: the same with
   ``train.dense_allreduce=auto`` (fp32 or bf16, whichever step is faster, checked in the run);
+  ``plain_compile_fp8_allreduce``, ``loka_compile_default_fp8_allreduce`` (several ranks, any device):
+  with ``train.dense_allreduce=fp8`` (LoKA's FP8 hook, :mod:`loka_torchrec.comms.fp8_allreduce`);
 * ``loka_compile_default_export``: ``loka_compile_default`` that also exports its dense modules for
   serving at the end (``train.export_serving``) and evaluates the model served in FP8 and in high
   precision on the same held-out batches: section "Serving what training ran";
@@ -194,6 +196,7 @@ _BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.
 # or auto: fp32 or bf16, whichever step is faster (checked after LoKA's own step-time decisions).
 _BF16_ALLREDUCE = ("train.dense_allreduce=bf16",)
 _AUTO_ALLREDUCE = ("train.dense_allreduce=auto",)
+_FP8_ALLREDUCE = ("train.dense_allreduce=fp8",)  # LoKA's FP8 hook (a quarter of fp32's bytes, lossy)
 # Comms at the default ("auto": fp8 or fp32 per direction, from a timing of the run's all-to-all),
 # so the benchmark measures what a user gets.
 _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
@@ -267,6 +270,8 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16_compile_bf16_allreduce", (*_BF16, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("loka_compile_default_bf16_allreduce", (*_LOKA, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("plain_compile_auto_allreduce", (*_PLAIN, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
+        RunSpec("plain_compile_fp8_allreduce", (*_PLAIN, *_FP8_ALLREDUCE), compile="default"),
+        RunSpec("loka_compile_default_fp8_allreduce", (*_LOKA, *_FP8_ALLREDUCE), compile="default"),
         # LoKA's run that also exports its dense modules for serving at the end and evaluates them
         # (train.export_serving): section "Serving what training ran".
         RunSpec("loka_compile_default_export", (*_LOKA, "train.export_serving=true"), compile="default"),

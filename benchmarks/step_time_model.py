@@ -31,6 +31,7 @@ it predicts the others (``## Check``). Payload and gradient bytes come from the 
 built on the ``meta`` device). Usage::
 
     python benchmarks/step_time_model.py --out benchmarks/results/H200/2026-11-28-step-time-model-dhen-xl \\
+        --network-gbps 50 --all-reduce bf16,fp8 \\
         --sockets benchmarks/results/H200/2026-11-27-e2e-dlrm-large-4gpu-sockets-gain-split.json \\
         benchmarks/results/H200/2026-11-27-e2e-dhen-xl-2gpu-nvlink-baselines.json \\
         benchmarks/results/H200/2026-11-27-e2e-dhen-xl-4gpu-nvlink-baselines.json
@@ -55,6 +56,9 @@ from combine_results import load_records  # noqa: E402  (the same reading of e2e
 
 COLLECTIVES = ("all_to_all", "all_reduce")
 FP32_BYTES = 4
+ALL_REDUCE_BYTES = {"bf16": 0.5, "fp8": (1 + 4 / 256) / 4}
+"""Bytes on the wire of a compressed dense all-reduce, as a share of fp32's: PyTorch's bf16 hook, and
+LoKA's FP8 hook (a byte a value plus an fp32 scale per 256 values; its encode and decode time is not modelled)."""
 
 
 # --------------------------------------------------------------------------------------- bytes
@@ -182,8 +186,12 @@ class Prediction:
     kernel_ms: Dict[str, float]
 
 
-def predict(m: Measured, payload: Payload, world: int, *, nodes: int = 1, link: Optional[InterNode] = None) -> Prediction:
-    """``m``'s step at ``world`` ranks on ``nodes`` nodes (module docstring).
+def predict(
+    m: Measured, payload: Payload, world: int, *, nodes: int = 1, link: Optional[InterNode] = None, all_reduce_bytes: float = 1.0
+) -> Prediction:
+    """``m``'s step at ``world`` ranks on ``nodes`` nodes (module docstring); ``all_reduce_bytes``: the
+    dense all-reduce's bytes as a share of the measured run's (a compressed all-reduce; the
+    bandwidths stay those fitted on the measured bytes).
 
     Raises:
         ValueError: ``world`` is not a multiple of ``nodes``, or ``nodes > 1`` without the ``link`` between them.
@@ -197,10 +205,11 @@ def predict(m: Measured, payload: Payload, world: int, *, nodes: int = 1, link: 
         "all_to_all": all_to_all_bytes(payload.embeddings, m.world) / m.kernel_ms["all_to_all"],
         "all_reduce": ring_all_reduce_bytes(payload.gradients, m.world) / m.kernel_ms["all_reduce"],
     }
+    grad_bytes = payload.gradients * all_reduce_bytes
     if nodes == 1:
         kernel = {
             "all_to_all": all_to_all_bytes(payload.embeddings, world) / bw["all_to_all"],
-            "all_reduce": ring_all_reduce_bytes(payload.gradients, world) / bw["all_reduce"],
+            "all_reduce": ring_all_reduce_bytes(grad_bytes, world) / bw["all_reduce"],
         }
     else:
         local, remote = (per_node - 1) / world, (world - per_node) / world
@@ -208,7 +217,7 @@ def predict(m: Measured, payload: Payload, world: int, *, nodes: int = 1, link: 
         remote_ms = 2.0 * payload.embeddings * remote / link.all_to_all * (fp8 if fp8 else 1.0)
         kernel = {
             "all_to_all": 2.0 * payload.embeddings * local / bw["all_to_all"] + remote_ms,
-            "all_reduce": ring_all_reduce_bytes(payload.gradients, world) / min(bw["all_reduce"], link.all_reduce),
+            "all_reduce": ring_all_reduce_bytes(grad_bytes, world) / min(bw["all_reduce"], link.all_reduce),
         }
     other = m.step_ms - sum(m.exposed_ms.values())
     # Overlap kept: each collective's exposed share as measured, but no more hidden than the rest of
@@ -240,11 +249,11 @@ def check_rows(measured: Sequence[Measured]) -> List[Dict[str, Any]]:
 
 
 def prediction_rows(
-    measured: Sequence[Measured], targets: Sequence[Tuple[int, int]], links: Sequence[InterNode], *, bf16_all_reduce: bool = False
+    measured: Sequence[Measured], targets: Sequence[Tuple[int, int]], links: Sequence[InterNode], *, all_reduce: Sequence[str] = ()
 ) -> List[Dict[str, Any]]:
     """Each run, fitted at its largest measured world size, at each ``(world, nodes)`` target (over
-    each inter-node ``link`` where ``nodes > 1``); with ``bf16_all_reduce`` also with its dense
-    gradients all-reduced in bf16 (``train.dense_allreduce=bf16``: half the bytes)."""
+    each inter-node ``link`` where ``nodes > 1``); across nodes also with its dense gradients
+    all-reduced in each precision of ``all_reduce`` (``train.dense_allreduce``; :data:`ALL_REDUCE_BYTES`)."""
     largest: Dict[Tuple[str, str], Measured] = {}
     for m in measured:
         key = (m.recipe, m.run)
@@ -257,11 +266,11 @@ def prediction_rows(
                      "measured_ms": m.step_ms, "low_ms": m.step_ms, "high_ms": m.step_ms, "kernel_ms": m.kernel_ms})  # fmt: skip
         for world, nodes in targets:
             for link in (links if nodes > 1 else [None]):
-                variants = [(m.run, payload)]
-                if bf16_all_reduce and nodes > 1:
-                    variants.append((f"{m.run} + bf16 all-reduce", dataclasses.replace(payload, gradients=payload.gradients / 2)))
-                for run, load in variants:
-                    p = predict(m, load, world, nodes=nodes, link=link)
+                variants = [(m.run, 1.0)]
+                if nodes > 1:
+                    variants += [(f"{m.run} + {precision} all-reduce", ALL_REDUCE_BYTES[precision]) for precision in all_reduce]
+                for run, share in variants:
+                    p = predict(m, payload, world, nodes=nodes, link=link, all_reduce_bytes=share)
                     rows.append({"recipe": m.recipe, "run": run, "world": world, "nodes": nodes,
                                  "link": "one host" if link is None else link.label, "measured_ms": None,
                                  "low_ms": p.low_ms, "high_ms": p.high_ms, "kernel_ms": p.kernel_ms})  # fmt: skip
@@ -299,8 +308,9 @@ def to_markdown(check: List[Dict[str, Any]], rows: List[Dict[str, Any]], links: 
         "",
         "## Predictions (fitted at the largest measured world size)",
         "",
-        "`+ bf16 all-reduce`: the same run with its dense gradients all-reduced in bf16 (`train.dense_allreduce=bf16`, half "
-        "the bytes). Ratios are against the first run of the same recipe, world size and link (optimistic with optimistic, "
+        "`+ bf16 all-reduce`, `+ fp8 all-reduce`: the same run with its dense gradients all-reduced in bf16 or FP8 "
+        "(`train.dense_allreduce=bf16|fp8`: half, about a quarter of the bytes; the FP8 hook's encode and decode time is not "
+        "modelled). Ratios are against the first run of the same recipe, world size and link (optimistic with optimistic, "
         "conservative with conservative).",
         "",
         "| recipe | run | GPUs | nodes | between nodes | step ms | all-to-all ms | all-reduce ms | vs the first run |",
@@ -341,7 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="also predict across nodes joined by this many GB/s a rank (repeatable)")
     p.add_argument("--targets", default="8,2x4,4x4", help="world sizes to predict: N (one host) or <nodes>x<GPUs per node>")
     p.add_argument("--runs", default="", help="comma-separated runs to model (default: every profiled one)")
-    p.add_argument("--bf16-all-reduce", action="store_true", help="across nodes, also predict each run with a bf16 dense all-reduce")
+    p.add_argument("--all-reduce", default="", help="across nodes, also predict each run with its dense all-reduce in these "
+                   f"precisions (comma-separated: {', '.join(ALL_REDUCE_BYTES)})")
     p.add_argument("--out", required=True, help="output path without extension (.md and .json are written)")
     args = p.parse_args(argv)
     wanted = [r for r in args.runs.split(",") if r]
@@ -360,7 +371,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if any(nodes > 1 for _, nodes in targets) and not links:
         raise SystemExit("--targets across nodes need --sockets or --network-gbps")
     check = check_rows(measured)
-    rows = prediction_rows(measured, targets, links, bf16_all_reduce=args.bf16_all_reduce)
+    compressed = [c for c in args.all_reduce.split(",") if c]
+    unknown = [c for c in compressed if c not in ALL_REDUCE_BYTES]
+    if unknown:
+        raise SystemExit(f"--all-reduce: expected some of {', '.join(ALL_REDUCE_BYTES)}, got {', '.join(unknown)}")
+    rows = prediction_rows(measured, targets, links, all_reduce=compressed)
     payloads = {m.recipe: Payload.of(m.recipe) for m in measured}
     command = "python benchmarks/step_time_model.py " + " ".join(sys.argv[1:] if argv is None else argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -17,7 +17,7 @@ def test_train_config_checks_the_dense_allreduce_settings():
     assert TrainConfig().dense_allreduce == "fp32" and TrainConfig().ddp_bucket_cap_mb == 25
     assert TrainConfig(dense_allreduce="bf16", ddp_bucket_cap_mb=4).dense_allreduce == "bf16"
     assert TrainConfig(dense_allreduce="auto", dense_allreduce_check_steps=3).dense_allreduce_check_steps == 3
-    with pytest.raises(ValueError, match="train.dense_allreduce: expected one of fp32, bf16, fp16, auto, got 'int8'"):
+    with pytest.raises(ValueError, match="train.dense_allreduce: expected one of fp32, bf16, fp16, fp8, auto, got 'int8'"):
         TrainConfig(dense_allreduce="int8")
     with pytest.raises(ValueError, match="train.dense_allreduce_check_steps: expected an int >= 1"):
         TrainConfig(dense_allreduce_check_steps=0)
@@ -34,16 +34,20 @@ def _job(tmp_path, *overrides):
 
 
 @pytest.mark.slow
-def test_the_compression_hook_and_bucket_size_in_force_are_read_from_ddp(tmp_path):
-    """2 gloo ranks with the fp16 hook (gloo has no bf16 hook) and 1 MiB buckets: the summary reads them
-    back from the DDP module TorchRec built, and the run summary prints them."""
-    run_dir, proc = _job(tmp_path, "train.dense_allreduce=fp16", "train.ddp_bucket_cap_mb=1")
+@pytest.mark.parametrize("precision, bucket_mb, hook", [("fp16", 1, "fp16_compress_hook"), ("fp8", 25, "fp8_allreduce_hook")])
+def test_the_compression_hook_and_bucket_size_in_force_are_read_from_ddp(tmp_path, precision, bucket_mb, hook):
+    """2 gloo ranks with PyTorch's fp16 hook (gloo has no bf16 hook) and 1 MiB buckets, or LoKA's FP8
+    hook (``loka_torchrec.comms.fp8_allreduce``): the summary reads them back from the DDP module TorchRec
+    built, the run summary prints them, and the job trains (every rank gets the same FP8 average:
+    ``tests/test_fp8_allreduce.py``)."""
+    run_dir, proc = _job(tmp_path, f"train.dense_allreduce={precision}", f"train.ddp_bucket_cap_mb={bucket_mb}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dense_allreduce"] == {
-        "precision": "fp16", "bucket_cap_mb": 1.0, "ddp": True, "comm_hooks": ["fp16_compress_hook"]
+        "precision": precision, "bucket_cap_mb": float(bucket_mb), "ddp": True, "comm_hooks": [hook]
     }  # fmt: skip
-    assert "dense all-reduce DDP (fp16_compress_hook), buckets of 1 MiB" in proc.stdout
+    assert f"dense all-reduce DDP ({hook}), buckets of {bucket_mb} MiB" in proc.stdout
+    assert 0 < summary["eval_ne"] < 2 and summary["nonfinite_steps"] == []  # no step skipped
 
 
 def test_bf16_on_a_cpu_is_refused_naming_the_field():

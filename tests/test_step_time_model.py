@@ -112,7 +112,7 @@ def test_the_report_checks_the_fit_against_the_other_measurement_and_predicts(tm
         _record("loka_compile_default", 4, 30.0, (12.0, 11.0), (3.0, 3.0), comms="forward fp8, backward fp8 (auto, ...)"),
     ]}))  # fmt: skip
     out = tmp_path / "out" / "model"
-    stm.main([*files, "--sockets", str(sockets), "--network-gbps", "50", "--targets", "8,2x4", "--bf16-all-reduce", "--out", str(out)])
+    stm.main([*files, "--sockets", str(sockets), "--network-gbps", "50", "--targets", "8,2x4", "--all-reduce", "bf16,fp8", "--out", str(out)])
     result = json.loads((tmp_path / "out" / "model.json").read_text())
     md = (tmp_path / "out" / "model.md").read_text()
     check = {(r["run"], r["fitted_at"], r["world"]): r for r in result["check"]}
@@ -125,10 +125,15 @@ def test_the_report_checks_the_fit_against_the_other_measurement_and_predicts(tm
     assert {(r["run"], r["world"]) for r in measured} == {("plain_compile", 4), ("loka_compile_default", 4)}  # fitted at the largest
     across = {(r["run"], r["link"]) for r in rows if r["nodes"] == 2}
     assert ("loka_compile_default + bf16 all-reduce", "sockets") in across and ("plain_compile", "50 GB/s") in across
+    fp8 = next(r for r in rows if r["run"] == "plain_compile + fp8 all-reduce" and r["link"] == "sockets")
+    fp32 = next(r for r in rows if r["run"] == "plain_compile" and r["link"] == "sockets" and r["nodes"] == 2)
+    assert fp8["kernel_ms"]["all_reduce"] == pytest.approx(fp32["kernel_ms"]["all_reduce"] * (1 + 4 / 256) / 4)
     assert not any(r["nodes"] == 1 and "bf16 all-reduce" in r["run"] for r in rows)  # the variant is for links between nodes
     for text in ("## Check: fitted at one measured world size, predicting another", "| dlrm | plain_compile | 2 GPUs | 4 GPUs | 21.00 |",
                  "Between nodes (sockets, measured in `sockets.json`)", "| dlrm | loka_compile_default | 8 | 2 | sockets |", "## Command"):
         assert text in md, text
+    with pytest.raises(SystemExit, match="--all-reduce: expected some of bf16, fp8, got int4"):
+        stm.main([*files, "--sockets", str(sockets), "--all-reduce", "int4", "--out", str(out)])
     with pytest.raises(SystemExit, match="need --sockets or --network-gbps"):
         stm.main([*files, "--targets", "2x4", "--out", str(out)])
 

@@ -39,6 +39,7 @@ from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
 from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
 from loka_job.training.dense_allreduce import DenseAllreduceCheck, compressed_candidate
+from loka_torchrec.comms.fp8_allreduce import Fp8AllreduceState, fp8_allreduce_hook
 from loka_job.training.dense_allreduce import install as install_allreduce_switch
 from loka_job.training.serving_export import (
     captured_inputs, export_serving, high_precision_copies, serving_copies, swapped, write_serving,
@@ -51,7 +52,7 @@ __all__ = ["TrainConfig", "Trainer", "ClickTrainModule", "check_baseline_in_job"
 logger = logging.getLogger("loka_job.train")
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16}  # train.autocast -> torch.autocast dtype
-DENSE_ALLREDUCE_PRECISIONS = ("fp32", "bf16", "fp16", "auto")  # train.dense_allreduce
+DENSE_ALLREDUCE_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "auto")  # train.dense_allreduce
 
 
 def check_baseline_vs_loka(baseline: BaselineConfig, loka: LokaConfig) -> None:
@@ -145,7 +146,9 @@ class TrainConfig:
         dense_allreduce: what DDP sends in the dense gradients' all-reduce: ``fp32`` (default:
             the gradients as they are), ``bf16`` or ``fp16`` (PyTorch's compression hooks, which
             TorchRec's ``DefaultDataParallelWrapper`` registers: half the bytes on the wire, the
-            sum rounded to 16 bits before it is averaged), or ``auto``: fp32 or compressed (bf16
+            sum rounded to 16 bits before it is averaged), ``fp8`` (a quarter of the bytes, the
+            values rounded to FP8 twice: :mod:`loka_torchrec.comms.fp8_allreduce`; lossy, so only
+            when asked, never chosen by ``auto``), or ``auto``: fp32 or compressed (bf16
             on CUDA, fp16 elsewhere), whichever makes the training step faster, checked in the step
             once LoKA needs no step times (:mod:`loka_job.training.dense_allreduce`; blocks of
             ``dense_allreduce_check_steps``). Independent of LoKA: it changes the user's job and
@@ -456,7 +459,8 @@ class Trainer:
             embedding_lr=train_config.embedding_lr,
             sharders=sharders,
             sharding_group_size=train_config.sharding_group_size,
-            dense_allreduce="fp32" if train_config.dense_allreduce == "auto" else train_config.dense_allreduce,
+            # auto and fp8 register their own hook on TorchRec's DDP module below
+            dense_allreduce="fp32" if train_config.dense_allreduce in ("auto", "fp8") else train_config.dense_allreduce,
             ddp_bucket_cap_mb=train_config.ddp_bucket_cap_mb,
         )
         self.dense_check = self._dense_allreduce_check(train_config)
@@ -822,9 +826,15 @@ class Trainer:
 
     def _dense_allreduce_check(self, cfg: TrainConfig) -> Optional[DenseAllreduceCheck]:
         """``train.dense_allreduce=auto``: the switchable hook on TorchRec's DDP module and its check
-        (``None`` otherwise, or where no DDP all-reduces anything: one rank, no dense parameters)."""
+        (``None`` otherwise, or where no DDP all-reduces anything: one rank, no dense parameters);
+        ``fp8``: the FP8 hook registered there (no check)."""
         ddp = getattr(self.model, "_dmp_wrapped_module", None)
-        if cfg.dense_allreduce != "auto" or self.ctx.world_size == 1 or not isinstance(ddp, DistributedDataParallel):
+        if self.ctx.world_size == 1 or not isinstance(ddp, DistributedDataParallel):
+            return None
+        if cfg.dense_allreduce == "fp8":
+            ddp.register_comm_hook(Fp8AllreduceState(), fp8_allreduce_hook)
+            return None
+        if cfg.dense_allreduce != "auto":
             return None
         switch = install_allreduce_switch(ddp, compressed_candidate(self.ctx.device))
         return DenseAllreduceCheck(switch, block=cfg.dense_allreduce_check_steps)

@@ -11,7 +11,9 @@ Top level UX:
     :func:`sharding_planner` / :func:`estimators` -- a planner whose comm cost counts the real
     bytes, scales included;
     :func:`decide` -- the precision of the ``"auto"`` directions, from a short timing of the
-    run's all-to-all (:class:`CommsChoice`, set on the sharders' :class:`CommsSelection`).
+    run's all-to-all (:class:`CommsChoice`, set on the sharders' :class:`CommsSelection`);
+    :func:`fp8_allreduce_hook` -- DDP's dense gradient all-reduce in FP8, a communication hook
+    (``ddp.register_comm_hook(Fp8AllreduceState(), fp8_allreduce_hook)``).
 
 Types:
     :class:`Fp8CommCodec`, :class:`Bf16CommCodec`, :class:`Fp32CommCodec` (TorchRec
@@ -29,6 +31,7 @@ import importlib.util
 
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.config import DEFAULT_BLOCK, CommsConfig
+from loka_torchrec.comms.fp8_allreduce import Fp8AllreduceState, fp8_allreduce_hook
 
 # Everything else imports TorchRec. Where TorchRec is missing (e.g. a GPU machine used only for
 # the GEMM kernels), reading a config must still work, so those names are then left out.
@@ -63,6 +66,8 @@ __all__ = [
     "estimators",
     "sharding_planner",
     "decide",
+    "fp8_allreduce_hook",
+    "Fp8AllreduceState",
     # types
     "Fp8CommCodec",
     "Bf16CommCodec",

@@ -1,0 +1,109 @@
+"""The FP8 all-reduce DDP hook: on 2 gloo ranks, the averaged gradients within the format's bound
+of DDP's fp32 average, unbiased, NaN carried, and bad settings named."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loka_torchrec.comms.fp8_allreduce import Fp8AllreduceState, fp8_allreduce_hook
+from multirank import spawn_ranks
+
+U_E4M3 = 2.0**-4  # unit roundoff of E4M3 (round to nearest)
+SUB_E4M3 = 2.0**-9  # its smallest subnormal
+FP8_MAX = 448.0
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 300), nn.ReLU(), nn.Linear(300, 7))
+
+
+def _block_bound(values: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element, the round-trip bound of the wire format: ``u |x| + sub / 2 * amax_block / fp8_max``."""
+    flat = values.reshape(-1)
+    pad = (-flat.numel()) % block
+    amax = torch.nn.functional.pad(flat.abs(), (0, pad)).view(-1, block).amax(dim=1).repeat_interleave(block)[: flat.numel()]
+    return U_E4M3 * flat.abs() + SUB_E4M3 / 2 * amax / FP8_MAX
+
+
+def _worker(rank, world, init_file, out_dir, nan):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(100 + rank)
+        x, y = torch.randn(64, 40), torch.randn(64, 7)
+        grads = {}
+        for kind in ("fp32", "fp8"):
+            ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)  # several buckets
+            if kind == "fp8":
+                ddp.register_comm_hook(Fp8AllreduceState(block=128), fp8_allreduce_hook)
+            inputs = x.clone()
+            if nan and rank == 1:
+                inputs[3, 5] = float("nan")
+            ((ddp(inputs) - y) ** 2).mean().backward()
+            grads[kind] = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).double()
+        # every rank's own gradient, for the bound: the model without DDP on this rank's batch
+        local = _model()
+        ((local(x) - y) ** 2).mean().backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in local.parameters()]).double()
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        result = {"fp8": grads["fp8"].tolist(), "fp32": grads["fp32"].tolist(), "local": [g.tolist() for g in everyone]}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, nan=False):
+    spawn_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path), nan), nprocs=2)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_fp8_average_is_within_the_format_bound_of_the_fp32_average(tmp_path):
+    results = _run(tmp_path)
+    fp8, fp32 = (torch.tensor(results[0][k], dtype=torch.float64) for k in ("fp8", "fp32"))
+    assert torch.equal(fp8, torch.tensor(results[1]["fp8"], dtype=torch.float64))  # every rank has the same average
+    local = [torch.tensor(g, dtype=torch.float64) for g in results[0]["local"]]
+    torch.testing.assert_close(fp32, (local[0] + local[1]) / 2, rtol=1e-5, atol=1e-7)  # DDP's own average
+    # First rounding: each rank's contribution, in its own blocks; second: the average, in its blocks.
+    # DDP fills buckets in reverse parameter order, so block boundaries are not the flat order's:
+    # bound each element by the largest value of the whole gradient (a looser block amax).
+    flat_bound = lambda g: U_E4M3 * g.abs() + SUB_E4M3 / 2 * g.abs().max() / FP8_MAX  # noqa: E731
+    first = (flat_bound(local[0]) + flat_bound(local[1])) / 2
+    second = U_E4M3 * (fp32.abs() + first) + SUB_E4M3 / 2 * (fp32.abs().max() + first.max()) / FP8_MAX
+    err = (fp8 - fp32).abs()
+    assert bool((err <= (first + second) * (1 + 1e-6)).all()), float((err / (first + second)).max())
+    assert err.max() > 0  # it is FP8: something was rounded
+    sqnr_db = 10 * torch.log10(fp32.pow(2).sum() / (fp8 - fp32).pow(2).sum())
+    assert sqnr_db > 25, float(sqnr_db)
+    # round to nearest: no systematic shift of the average (within 4 standard errors of zero)
+    diff = fp8 - fp32
+    assert abs(float(diff.mean())) < 4 * float(diff.std()) / diff.numel() ** 0.5
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_reaches_every_ranks_average(tmp_path):
+    results = _run(tmp_path, nan=True)
+    for r in results:
+        assert any(v != v for v in r["fp8"]) and any(v != v for v in r["fp32"])  # NaN, as with fp32
+
+
+def test_the_block_bound_helper_holds_for_one_round_trip():
+    """The bound the test above uses, checked on one encode/decode of the wire format."""
+    from loka_torchrec.kernels import fp8_comm_codec as wire
+
+    x = torch.randn(1024, dtype=torch.float64) * torch.logspace(-3, 2, 1024, dtype=torch.float64)
+    back = wire.decode(wire.encode(x.float(), block=128), block=128).double()
+    assert bool(((back - x).abs() <= _block_bound(x, 128) * (1 + 1e-6) + 1e-12).all())
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="Fp8AllreduceState.block: expected a multiple of 16, got 100"):
+        Fp8AllreduceState(block=100)
+    with pytest.raises(ValueError, match="Fp8AllreduceState.fmt: unknown FP8 format 'e3m4'"):
+        Fp8AllreduceState(fmt="e3m4")
