@@ -30,14 +30,17 @@ def _block_bound(values: torch.Tensor, block: int) -> torch.Tensor:
     return U_E4M3 * flat.abs() + SUB_E4M3 / 2 * amax / FP8_MAX
 
 
-def _worker(rank, world, init_file, out_dir, nan):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, world, init_file, out_dir, nan, backend="gloo"):
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(100 + rank)
-        x, y = torch.randn(64, 40), torch.randn(64, 7)
+        x, y = torch.randn(64, 40).to(device), torch.randn(64, 7).to(device)
         grads = {}
         for kind in ("fp32", "fp8"):
-            ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)  # several buckets
+            ddp = nn.parallel.DistributedDataParallel(_model().to(device), bucket_cap_mb=0.01)  # several buckets
             if kind == "fp8":
                 ddp.register_comm_hook(Fp8AllreduceState(block=128), fp8_allreduce_hook)
             inputs = x.clone()
@@ -46,26 +49,31 @@ def _worker(rank, world, init_file, out_dir, nan):
             ((ddp(inputs) - y) ** 2).mean().backward()
             grads[kind] = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).double()
         # every rank's own gradient, for the bound: the model without DDP on this rank's batch
-        local = _model()
+        local = _model().to(device)
         ((local(x) - y) ** 2).mean().backward()
         mine = torch.cat([p.grad.reshape(-1) for p in local.parameters()]).double()
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        result = {"fp8": grads["fp8"].tolist(), "fp32": grads["fp32"].tolist(), "local": [g.tolist() for g in everyone]}
+        result = {"fp8": grads["fp8"].cpu().tolist(), "fp32": grads["fp32"].cpu().tolist(), "local": [g.cpu().tolist() for g in everyone]}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, nan=False):
-    spawn_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path), nan), nprocs=2)
+def _run(tmp_path, nan=False, backend="gloo"):
+    spawn_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path), nan, backend), nprocs=2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.slow
-def test_fp8_average_is_within_the_format_bound_of_the_fp32_average(tmp_path):
-    results = _run(tmp_path)
+@pytest.mark.parametrize("backend", [
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]),
+])  # fmt: skip
+def test_fp8_average_is_within_the_format_bound_of_the_fp32_average(tmp_path, backend):
+    """On CUDA the wire format's Triton kernels encode and decode; on the CPU its torch reference."""
+    results = _run(tmp_path, backend=backend)
     fp8, fp32 = (torch.tensor(results[0][k], dtype=torch.float64) for k in ("fp8", "fp32"))
     assert torch.equal(fp8, torch.tensor(results[1]["fp8"], dtype=torch.float64))  # every rank has the same average
     local = [torch.tensor(g, dtype=torch.float64) for g in results[0]["local"]]

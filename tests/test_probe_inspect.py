@@ -162,6 +162,42 @@ def test_valve_and_guard_take_fp8_back_in_force_not_in_plan(loka_run, tmp_path, 
     assert fwd["in_force"] == "bf16:hp" and fwd["held_by"] == "step-time guard" and fwd["planned"].startswith("scaled_mm:")
 
 
+def _trial(step, candidate, fp8_ms, keep):
+    """A plan-trial window as the dispatcher logs it: the guard's verdict, then the trial's record."""
+    return ({"event": "step_guard", "step": step, "bf16_ms": 10.0, "fp8_ms": fp8_ms, "keep_fp8": keep},
+            {"event": "plan_trial", "step": step, "candidate": candidate, "bf16_ms": 10.0, "fp8_ms": fp8_ms, "fp8_gemms": 6})
+
+
+@pytest.mark.parametrize("kept", ["layer-ranked 1/2", None])
+def test_a_candidate_slower_than_bf16_in_plan_trials_turns_nothing_off(loka_run, tmp_path, capsys, monkeypatch, kept):
+    """Compiled, plan trials judge each candidate in a guard window: the layer-checked plan's window
+    may say "slower" while the trials keep another plan. Only the trials' choice turns FP8 off."""
+    run = _copy(loka_run, tmp_path)
+    plan = json.loads((run / "dispatch_plan.json").read_text())
+    plan.pop("in_force", None)  # the events decide what is in force
+    (run / "dispatch_plan.json").write_text(json.dumps(plan))
+    _add_events(run, *_trial(40, "layer-checked", 10.5, False), *_trial(50, "layer-ranked 1/2", 9.0, True))
+    out = _view(run, capsys, monkeypatch)
+    assert "plan trials: under way (layer-checked 10.5 ms, layer-ranked 1/2 9 ms; bf16 10 ms)" in out
+    assert "FP8 GEMMs: 6/6 planned, 6/6 in force" in out and not any("guard" in line for line in _table(out))
+    summary = ("plan trials kept the layer-ranked 1/2 plan: median step 9.00 ms against 10.00 ms in bf16" if kept
+               else "plan trials returned to bf16: no candidate plan was faster than 10.00 ms in bf16")
+    _add_events(run, *_trial(60, "accuracy-gated", 9.5 if kept else 10.4, bool(kept)),
+                {"event": "plan_selected", "step": 60, "chosen": kept, "summary": summary})  # fmt: skip
+    out = _view(run, capsys, monkeypatch)
+    assert f"plan trials (step 60): {summary}" in out
+    if kept:
+        assert "FP8 GEMMs: 6/6 planned, 6/6 in force" in out and not any("guard" in line for line in _table(out))
+    else:
+        assert "FP8 GEMMs: 6/6 planned, 0/6 in force" in out and all("bf16 (guard)" in line for line in _table(out))
+    assert main([str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [t["candidate"] for t in report["status"]["plan_trials"]["candidates"]] == ["layer-checked", "layer-ranked 1/2", "accuracy-gated"]
+    assert report["status"]["step_guard"]["verdicts"] == []  # the windows were the trials'
+    fwd = report["layers"][0]["roles"]["fwd"]
+    assert (fwd["held_by"] == "") if kept else (fwd["held_by"] == "step-time guard" and fwd["reason"] == f"at step 60: {summary}")
+
+
 def test_an_in_force_count_recorded_in_the_plan_file_is_shown(loka_run, tmp_path, capsys, monkeypatch):
     run = _copy(loka_run, tmp_path)
     plan = json.loads((run / "dispatch_plan.json").read_text())

@@ -219,10 +219,17 @@ def _valve_text(view: RunView) -> str:
 
 
 def _guard_text(view: RunView) -> str:
-    verdicts = view.status.guard_verdicts
+    status = view.status
+    verdicts = status.guard_verdicts
+    if status.plan_trials:  # compiled: the candidates were judged one window each
+        selected = status.plan_selected
+        tried = ", ".join(f"{t.get('candidate')} {as_float(t.get('fp8_ms')):.4g} ms" for t in status.plan_trials)
+        if selected is None:
+            return f"plan trials: under way ({tried}; bf16 {as_float(status.plan_trials[0].get('bf16_ms')):.4g} ms)"
+        return f"plan trials (step {selected.get('step')}): {selected.get('summary')}"
     if not verdicts:
         return "step-time guard: no verdict yet" if view.events is not None else "step-time guard: no dispatch_events.jsonl"
-    v = view.status.guard_off or verdicts[-1]
+    v = status.guard_off or verdicts[-1]
     verb = "kept FP8" if v.get("keep_fp8") else "returned every GEMM to bf16"
     return f"step-time guard (step {v.get('step')}): {verb}, median step {as_float(v.get('fp8_ms')):.4g} ms with FP8 vs {as_float(v.get('bf16_ms')):.4g} ms in bf16"
 

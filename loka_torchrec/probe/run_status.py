@@ -15,6 +15,8 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from loka_torchrec.probe.text_table import as_float
+
 __all__ = ["RunStatus", "run_status", "ROLES", "NEVER_RAN"]
 
 ROLES = ("fwd", "dgrad", "wgrad")
@@ -49,7 +51,12 @@ class RunStatus:
         never_ran: layer -> why, for converted sites that did not run (their GEMMs are not counted).
         held: layer -> ``{"step", "reason"}`` for each layer the safety valve holds in bf16 now.
         valve_trips: how many times the valve sent a layer to bf16 (``None``: no events file).
-        guard_verdicts: every step-time guard verdict (``step``, ``fp8_ms``, ``bf16_ms``, ``keep_fp8``).
+        guard_verdicts: every step-time guard verdict on the plan in force (``step``, ``fp8_ms``,
+            ``bf16_ms``, ``keep_fp8``); not those that judged a candidate of plan trials.
+        plan_trials: the candidates plan trials judged (``step``, ``candidate``, ``fp8_ms``, ``bf16_ms``,
+            ``fp8_gemms``), in order; a candidate slower than bf16 turned nothing off by itself.
+        plan_selected: what the trials kept (``chosen``: a candidate's label, ``None`` for bf16;
+            ``summary``), ``None`` while they go on or where none ran.
         grad_check: the last gradient check (:func:`_grad_check`), ``None`` when none ran.
         coverage: the plan's ``coverage`` (share of the linear multiply-adds Dispatch manages).
         recorded_in_force: the FP8 GEMMs in force as the plan file records them (``None``: it does not).
@@ -63,11 +70,26 @@ class RunStatus:
     grad_check: Optional[Dict[str, Any]]
     coverage: Dict[str, Any]
     recorded_in_force: Optional[int] = None
+    plan_trials: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    plan_selected: Optional[Dict[str, Any]] = None
 
     @property
     def guard_off(self) -> Optional[Dict[str, Any]]:
-        """The verdict that returned every GEMM to bf16 (``None``: FP8 was kept or not judged yet)."""
+        """What returned every GEMM to bf16 (``None``: FP8 was kept or not judged yet): plan trials
+        that kept no candidate (the ``plan_selected`` event), or the guard's verdict on the plan."""
+        if self.plan_selected is not None and self.plan_selected.get("chosen") is None:
+            return self.plan_selected
         return next((v for v in self.guard_verdicts if v.get("keep_fp8") is False), None)
+
+    def guard_off_reason(self) -> str:
+        """Why every GEMM is bf16 again, in words (``""`` when it is not)."""
+        off = self.guard_off
+        if off is None:
+            return ""
+        if off.get("event") == "plan_selected":
+            return f"at step {off.get('step')}: {off.get('summary') or 'plan trials kept no candidate'}"
+        return (f"the step-time guard returned every GEMM to bf16 at step {off.get('step')}: median step "
+                f"{as_float(off.get('fp8_ms')):.4g} ms with FP8 vs {as_float(off.get('bf16_ms')):.4g} ms in bf16")  # fmt: skip
 
     def in_force(self, layer: str, role: str) -> Tuple[str, str]:
         """``(kernel, what overrides the plan)`` for one GEMM: ``"never ran"``, bf16 held by the
@@ -98,6 +120,7 @@ class RunStatus:
             "never_ran": dict(self.never_ran),
             "safety_valve": {"held": dict(self.held), "trips": self.valve_trips},
             "step_guard": {"verdicts": list(self.guard_verdicts), "fp8_off_at_step": None if guard_off is None else guard_off.get("step")},
+            "plan_trials": {"candidates": list(self.plan_trials), "selected": self.plan_selected},
             "grad_check": self.grad_check,
         }
 
@@ -157,6 +180,10 @@ def run_status(plan: Dict[str, Any], events: Optional[List[Dict[str, Any]]], pro
     """Read the run's state from its plan (``{}`` when absent), its dispatch events (``None`` when
     there is no events file) and the Probe's per-layer entries (``RunView.layers``)."""
     held, trips = _valve(events, probe_layers)
+    # A guard window that judged a candidate of plan trials is logged twice (step_guard, plan_trial):
+    # it belongs to the trials, whose plan_selected event says what they turned off.
+    trials = [e for e in events or [] if e.get("event") == "plan_trial"]
+    trial_steps = {e.get("step") for e in trials}
     never_ran = plan.get("never_ran")
     coverage = plan.get("coverage")
     return RunStatus(
@@ -164,7 +191,9 @@ def run_status(plan: Dict[str, Any], events: Optional[List[Dict[str, Any]]], pro
         never_ran=dict(never_ran) if isinstance(never_ran, dict) else {},
         held=held,
         valve_trips=trips,
-        guard_verdicts=[e for e in events or [] if e.get("event") == "step_guard"],
+        guard_verdicts=[e for e in events or [] if e.get("event") == "step_guard" and e.get("step") not in trial_steps],
+        plan_trials=trials,
+        plan_selected=next((e for e in reversed(events or []) if e.get("event") == "plan_selected"), None),
         grad_check=_grad_check(events or []),
         coverage=dict(coverage) if isinstance(coverage, dict) else {},
         recorded_in_force=_recorded_in_force(plan),

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from loka_torchrec.probe.logs import rank_log_paths, read_rank_log, read_summary
 from loka_torchrec.probe.run_status import NEVER_RAN, ROLES, RunStatus, run_status
+from loka_torchrec.probe.text_table import as_float as _float
 
 __all__ = [
     "RunDirError", "RunView", "RoleView", "load_run", "best_candidate", "rank_comparison", "DEFAULT_MAX_ERROR",
@@ -116,21 +117,12 @@ class RunView:
         if kernel == NEVER_RAN:
             return RoleView(planned, "", NEVER_RAN, status.never_ran.get(layer, ""))
         if override == "guard":
-            off = status.guard_off or {}
-            return RoleView(planned, kernel, "step-time guard", f"the step-time guard returned every GEMM to bf16 at step {off.get('step')}: "
-                            f"median step {_float(off.get('fp8_ms')):.4g} ms with FP8 vs {_float(off.get('bf16_ms')):.4g} ms in bf16")  # fmt: skip
+            return RoleView(planned, kernel, "step-time guard", status.guard_off_reason())
         if layer in status.held:  # the safety valve overrides the plan until readmission
             return RoleView(planned, "bf16:hp", "safety valve", str(status.held[layer].get("reason", "")))
         if planned:
             return RoleView(planned, planned, "", str(entry.get("reason", "")))
         return RoleView("", "", "", "no dispatch_plan.json" if not self.plan else "not in dispatch_plan.json")
-
-
-def _float(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _load_plan(run_dir: Path, problems: List[str]) -> Dict[str, Any]:
