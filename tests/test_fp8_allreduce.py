@@ -101,6 +101,40 @@ def test_a_nan_on_one_rank_reaches_every_ranks_average(tmp_path):
         assert any(v != v for v in r["fp8"]) and any(v != v for v in r["fp32"])  # NaN, as with fp32
 
 
+def _group_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, in order
+        group = groups[rank // 2]
+        torch.manual_seed(100 + rank)
+        x, y = torch.randn(16, 40), torch.randn(16, 7)
+        ddp = nn.parallel.DistributedDataParallel(_model(), process_group=group)
+        ddp.register_comm_hook(Fp8AllreduceState(process_group=ddp.process_group), fp8_allreduce_hook)
+        ((ddp(x) - y) ** 2).mean().backward()
+        local = _model()
+        ((local(x) - y) ** 2).mean().backward()
+        grads = {"fp8": torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).tolist(),
+                 "local": torch.cat([p.grad.reshape(-1) for p in local.parameters()]).tolist()}  # fmt: skip
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(grads, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_average_is_over_the_ddp_modules_own_group(tmp_path):
+    """Under DMPCollection DDP averages over a replica group, not the world: so does the hook given it."""
+    spawn_ranks(_group_worker, (4, str(tmp_path / "init"), str(tmp_path)), nprocs=4)
+    r = [{k: torch.tensor(v, dtype=torch.float64) for k, v in json.loads((tmp_path / f"rank{i}.json").read_text()).items()} for i in range(4)]
+    for a, b in ((0, 1), (2, 3)):
+        group_mean = (r[a]["local"] + r[b]["local"]) / 2
+        assert torch.equal(r[a]["fp8"], r[b]["fp8"])
+        sqnr = 10 * torch.log10(group_mean.pow(2).sum() / (r[a]["fp8"] - group_mean).pow(2).sum())
+        assert sqnr > 25, float(sqnr)
+    world_mean = sum(x["local"] for x in r) / 4
+    assert float(10 * torch.log10(world_mean.pow(2).sum() / (r[0]["fp8"] - world_mean).pow(2).sum())) < 10  # not the world's
+
+
 def test_the_block_bound_helper_holds_for_one_round_trip():
     """The bound the test above uses, checked on one encode/decode of the wire format."""
     from loka_torchrec.kernels import fp8_comm_codec as wire

@@ -13,7 +13,7 @@ Top level UX:
     :func:`decide` -- the precision of the ``"auto"`` directions, from a short timing of the
     run's all-to-all (:class:`CommsChoice`, set on the sharders' :class:`CommsSelection`);
     :func:`fp8_allreduce_hook` -- DDP's dense gradient all-reduce in FP8, a communication hook
-    (``ddp.register_comm_hook(Fp8AllreduceState(), fp8_allreduce_hook)``).
+    (``ddp.register_comm_hook(Fp8AllreduceState(ddp.process_group), fp8_allreduce_hook)``).
 
 Types:
     :class:`Fp8CommCodec`, :class:`Bf16CommCodec`, :class:`Fp32CommCodec` (TorchRec

@@ -20,7 +20,7 @@ asks for it. A NaN or inf in a gradient reaches every rank's averaged gradient a
 
 Example (a DDP module, any process group; gloo on CPUs, NCCL on GPUs)::
 
-    ddp.register_comm_hook(Fp8AllreduceState(), fp8_allreduce_hook)  # doctest: +SKIP
+    ddp.register_comm_hook(Fp8AllreduceState(process_group=ddp.process_group), fp8_allreduce_hook)  # doctest: +SKIP
 """
 
 import dataclasses
@@ -41,7 +41,8 @@ class Fp8AllreduceState:
     """What :func:`fp8_allreduce_hook` needs besides the bucket.
 
     Attributes:
-        process_group: the ranks that average the gradients (``None``: DDP's, the world).
+        process_group: the ranks that average the gradients: the DDP module's own
+            (``ddp.process_group``; a hook is not told it); ``None``: the world.
         block: values per FP8 scale (a multiple of 16; smaller is more accurate, more scale bytes).
         fmt: ``"e4m3"`` (default: 3 mantissa bits, the range comes from the block scales) or ``"e5m2"``.
     """
