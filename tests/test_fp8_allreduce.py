@@ -123,7 +123,7 @@ def _group_worker(rank, world, init_file, out_dir):
 
 @pytest.mark.slow
 def test_the_average_is_over_the_ddp_modules_own_group(tmp_path):
-    """Under DMPCollection DDP averages over a replica group, not the world: so does the hook given it."""
+    """A DDP module over a subgroup of the ranks averages over that group: so does the hook given its group."""
     spawn_ranks(_group_worker, (4, str(tmp_path / "init"), str(tmp_path)), nprocs=4)
     r = [{k: torch.tensor(v, dtype=torch.float64) for k, v in json.loads((tmp_path / f"rank{i}.json").read_text()).items()} for i in range(4)]
     for a, b in ((0, 1), (2, 3)):

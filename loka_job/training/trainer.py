@@ -832,7 +832,7 @@ class Trainer:
         if self.ctx.world_size == 1 or not isinstance(ddp, DistributedDataParallel):
             return None
         if cfg.dense_allreduce == "fp8":
-            # DDP's own process group: under DMPCollection it is the replica group, not the world
+            # DDP's own process group (TorchRec's is its global group; a hook is not told which)
             ddp.register_comm_hook(Fp8AllreduceState(process_group=ddp.process_group), fp8_allreduce_hook)
             return None
         if cfg.dense_allreduce != "auto":
