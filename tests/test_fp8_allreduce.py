@@ -135,6 +135,40 @@ def test_the_average_is_over_the_ddp_modules_own_group(tmp_path):
     assert float(10 * torch.log10(world_mean.pow(2).sum() / (r[0]["fp8"] - world_mean).pow(2).sum())) < 10  # not the world's
 
 
+def _profiled_worker(rank, world, init_file, out_dir):
+    from loka_job.training.profiling import _cpu_operators, classify_cpu_op, summarize_events
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        ddp.register_comm_hook(Fp8AllreduceState(process_group=ddp.process_group), fp8_allreduce_hook)
+        x = torch.randn(16, 40)
+        ddp(x).sum().backward()  # warm-up
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ddp(x).sum().backward()
+        if rank == 0:
+            events = _cpu_operators(prof.events())
+            comms = summarize_events(events, classify=classify_cpu_op, num_steps=1, wall_ms=1.0)["comms"]
+            comms["kinds"] = {e.name: e.kind for e in events if classify_cpu_op(e.name) == "comms"}
+            with open(os.path.join(out_dir, "comms.json"), "w") as f:
+                json.dump(comms, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_profile_counts_the_hooks_collectives_as_the_dense_all_reduce(tmp_path):
+    """The hook's all-to-all and all-gather run inside its profiler range: the job's comms report
+    counts them as the dense all-reduce, not as the embeddings' all-to-all (the model has none)."""
+    spawn_ranks(_profiled_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    report = json.loads((tmp_path / "comms.json").read_text())
+    comms, kinds = report["ms_per_step"], report["kinds"]
+    hooks = {name: kind for name, kind in kinds.items() if "broadcast" not in name}  # DDP broadcasts buffers itself
+    assert any("alltoall" in n for n in hooks) and any("allgather" in n for n in hooks), kinds
+    assert set(hooks.values()) == {"all_reduce"}, kinds
+    assert sum(comms["all_reduce"].values()) > 0 and sum(comms["all_to_all"].values()) == 0, comms
+
+
 def test_the_block_bound_helper_holds_for_one_round_trip():
     """The bound the test above uses, checked on one encode/decode of the wire format."""
     from loka_torchrec.kernels import fp8_comm_codec as wire

@@ -15,7 +15,9 @@ The phase of an event comes from TorchRec's train pipeline, which wraps its forw
 in ``## forward <i> ##`` / ``## backward <i> ##`` ranges (``record_function``): a collective whose
 launch started inside a backward range is ``backward``, inside a forward range ``forward``, else
 ``outside`` (the next batch's input distribution, which the pipeline starts before the current
-batch's forward, and anything else). See :class:`PhaseRanges`.
+batch's forward, and anything else). See :class:`PhaseRanges`. A collective launched inside the
+FP8 all-reduce hook's range (:data:`loka_torchrec.comms.fp8_allreduce.PROFILER_RANGE`) is the dense
+``all_reduce``, whatever its kernel (an all-to-all and an all-gather there).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import bisect
 import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from loka_torchrec.comms.fp8_allreduce import PROFILER_RANGE as _FP8_ALLREDUCE_RANGE
 
 __all__ = ["KINDS", "PHASES", "collective_kind", "comms_breakdown", "PhaseRanges"]
 
@@ -55,18 +59,20 @@ class PhaseRanges:
     """
 
     def __init__(self, ranges: Iterable[Tuple[str, float, float]]) -> None:
-        self._ranges: Dict[str, List[Tuple[float, float]]] = {"forward": [], "backward": []}
+        self._ranges: Dict[str, List[Tuple[float, float]]] = {"forward": [], "backward": [], "dense_all_reduce": []}
         for name, start, end in ranges:
             if _BACKWARD_RANGE.search(name):
                 self._ranges["backward"].append((start, end))
             elif _FORWARD_RANGE.search(name):
                 self._ranges["forward"].append((start, end))
+            elif name == _FP8_ALLREDUCE_RANGE:
+                self._ranges["dense_all_reduce"].append((start, end))
         for spans in self._ranges.values():
             spans.sort()
         self._starts = {phase: [s for s, _ in spans] for phase, spans in self._ranges.items()}
 
     def __bool__(self) -> bool:
-        return any(self._ranges.values())
+        return bool(self._ranges["forward"] or self._ranges["backward"])
 
     def _inside(self, phase: str, t_us: float) -> bool:
         i = bisect.bisect_right(self._starts[phase], t_us) - 1
@@ -81,6 +87,13 @@ class PhaseRanges:
             if self._inside(phase, launch_us):
                 return phase
         return "outside"
+
+    def kind_of(self, launch_us: Optional[float]) -> Optional[str]:
+        """``"all_reduce"`` where ``launch_us`` falls in the FP8 all-reduce hook's range, else ``None``
+        (the kernel's name decides, :func:`collective_kind`)."""
+        if launch_us is not None and self._inside("dense_all_reduce", launch_us):
+            return "all_reduce"
+        return None
 
 
 
@@ -115,8 +128,9 @@ def comms_breakdown(events: Sequence, *, is_collective, num_steps: int) -> Dict[
     """Per-step collective time by kind and phase, and exposed time (module docstring); ms.
 
     Args:
-        events: the window's events, each with ``name``, ``start_us``, ``end_us``, ``self_us`` and
-            ``phase`` (one of :data:`PHASES`; events that are not collectives may have any).
+        events: the window's events, each with ``name``, ``start_us``, ``end_us``, ``self_us``,
+            ``phase`` (one of :data:`PHASES`; events that are not collectives may have any) and
+            optionally ``kind`` (one of :data:`KINDS`, where the launch says more than the name).
         is_collective: ``name -> bool``: whether an event is a collective (the profiler's
             ``comms`` category).
         num_steps: steps in the window.
@@ -130,7 +144,7 @@ def comms_breakdown(events: Sequence, *, is_collective, num_steps: int) -> Dict[
         if not is_collective(event.name):
             compute.append((event.start_us, event.end_us))
             continue
-        kind = collective_kind(event.name)
+        kind = getattr(event, "kind", None) or collective_kind(event.name)
         phase = event.phase if event.phase in PHASES else "outside"
         per_kind[kind][phase] += event.self_us / 1e3
         spans[kind].append((event.start_us, event.end_us))

@@ -188,6 +188,7 @@ class ProfiledEvent(NamedTuple):
     end_us: float
     self_us: float
     phase: str = "outside"
+    kind: Optional[str] = None  # a collective's kind where its launch says it (comms_timeline.PhaseRanges.kind_of)
 
 
 def _union_us(events: Iterable[ProfiledEvent]) -> float:
@@ -325,13 +326,13 @@ def _device_kernels(events) -> List[ProfiledEvent]:
             return runtime[kernel.id]
         return host.get(getattr(kernel, "linked_correlation_id", 0) or -1)
 
-    return [
-        ProfiledEvent(
-            e.name, e.time_range.start, e.time_range.end, e.time_range.end - e.time_range.start, phases.phase_of(launched_at(e))
-        )  # fmt: skip
-        for e in events
-        if e.device_type == DeviceType.CUDA and not _is_annotation(e)
-    ]
+    out = []
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not _is_annotation(e):
+            launch = launched_at(e)
+            out.append(ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.time_range.end - e.time_range.start,
+                                     phases.phase_of(launch), phases.kind_of(launch)))  # fmt: skip
+    return out
 
 
 _KERNEL_LAUNCH = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|cuLaunchKernelEx|cudaLaunchCooperativeKernel)$")
@@ -358,7 +359,8 @@ def _cpu_operators(events) -> List[ProfiledEvent]:
     """The CPU operators of a ``torch.profiler`` event list, each with its self time and phase."""
     phases = _phase_ranges(events)
     return [
-        ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total, phases.phase_of(e.time_range.start))
+        ProfiledEvent(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total, phases.phase_of(e.time_range.start),
+                      phases.kind_of(e.time_range.start))  # fmt: skip
         for e in events
         if e.device_type == DeviceType.CPU and not e.is_async and _is_cpu_operator(e)
     ]

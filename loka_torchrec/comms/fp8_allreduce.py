@@ -29,11 +29,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.kernels import fp8_comm_codec as wire
 
-__all__ = ["Fp8AllreduceState", "fp8_allreduce_hook"]
+__all__ = ["PROFILER_RANGE", "Fp8AllreduceState", "fp8_allreduce_hook"]
+
+PROFILER_RANGE = "## loka fp8 all-reduce ##"
+"""The ``record_function`` range around the hook's collectives: a profile can tell its all-to-all
+and all-gather (the dense all-reduce) from the embeddings' all-to-all, whose kernels look the same."""
 
 
 @dataclasses.dataclass
@@ -78,7 +83,8 @@ def fp8_allreduce_hook(state: Fp8AllreduceState, bucket: dist.GradBucket) -> tor
     values = F.pad(buffer.detach().float(), (0, shard * world - n))
     payload = wire.encode(values, block=state.block, fmt=state.fmt)
     received = torch.empty_like(payload)
-    sent = dist.all_to_all_single(received, payload, group=group, async_op=True).get_future()
+    with record_function(PROFILER_RANGE):
+        sent = dist.all_to_all_single(received, payload, group=group, async_op=True).get_future()
 
     def reduce_and_gather(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
@@ -86,7 +92,8 @@ def fp8_allreduce_hook(state: Fp8AllreduceState, bucket: dist.GradBucket) -> tor
         mean = copies.sum(dim=0).div_(world)
         mine = wire.encode(mean, block=state.block, fmt=state.fmt)
         gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        _all_gather(gathered, mine, group)
+        with record_function(PROFILER_RANGE):
+            _all_gather(gathered, mine, group)
         averaged = wire.decode(gathered, block=state.block, fmt=state.fmt)[:n]
         buffer.copy_(averaged.view_as(buffer))
         return buffer
