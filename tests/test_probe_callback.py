@@ -407,6 +407,7 @@ def test_probe_on_cuda_measures_on_the_gpu(tmp_path):
     # What accumulates over probe steps is kept on the host; a step's window is updated on the GPU.
     assert state.reference_act.device.type == "cpu" and state.reference_grad.device.type == "cpu"
     assert state.reference_act.count == 2 * 256 and state.window_act.device.type == "cuda"
+    assert state.weight.row_factor.device.type == "cpu" and state.weight._roots is None  # sampled from a device copy
     fwd = [ev for ev in dispatch.evidence if ev.layer == "fc1" and ev.role == GemmRole.FORWARD]
     assert fwd and all(ev.device == torch.cuda.get_device_name() for ev in fwd)
     bf16 = next(ev for ev in fwd if ev.candidate == BF16)

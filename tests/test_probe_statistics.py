@@ -9,7 +9,7 @@ import torch
 
 from loka_torchrec.fp8 import Fp8Format, quantize, saturated_cast
 from loka_torchrec.probe.sampling import GaussianModel, cholesky_with_jitter, make_generator
-from loka_torchrec.probe.statistics import TensorStatistics, covariance_subset
+from loka_torchrec.probe.statistics import HOST, TensorStatistics, covariance_subset
 from loka_torchrec.probe.weight_statistics import WeightStatistics
 
 
@@ -237,6 +237,21 @@ def test_weight_model_ema_and_diagonal_cap():
     assert ws.sigma2 == pytest.approx(0.5 * 1 + 0.5 * 9)
     with pytest.raises(ValueError, match="weight: expected shape"):
         ws.update(torch.ones(3, 4))
+
+
+def test_the_weight_model_is_kept_on_the_host_and_sampled_from_a_copy_on_the_device():
+    ws = WeightStatistics(6, 5)
+    ws.update(torch.randn(6, 5))
+    assert ws.row_factor.device == HOST and ws.col_factor.device == HOST
+    before = ws.sample(torch.Generator().manual_seed(0))
+    roots = ws._roots
+    copy = ws.on("cpu")
+    assert copy._roots is None and ws._roots is roots  # the copy factorizes its own; the original keeps its cache
+    torch.testing.assert_close(copy.sample(torch.Generator().manual_seed(0)), before, rtol=0, atol=0)  # same draws
+    copy.amax_history.append(99.0)
+    assert 99.0 not in ws.amax_history  # an independent history
+    on_meta = ws.on("meta")
+    assert on_meta.row_factor.device.type == "meta" and ws.row_factor.device == HOST
 
 
 def test_monitoring_updates_skip_moments_but_keep_amax_kurtosis_and_fractions():

@@ -129,7 +129,7 @@ class LayerEvaluator:
             weight=weight,
             act=act,
             grad=grad,
-            weight_stats=state.weight,
+            weight_stats=state.weight.on(weight.device),  # its factors are kept on the host
             reservoir=state.reservoir,
             rows=max(state.rows, 1),
         )

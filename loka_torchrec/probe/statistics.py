@@ -48,13 +48,21 @@ import torch
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.fp8.scaling import AMAX_EPS
 
-__all__ = ["TensorStatistics", "PROBE_FORMATS", "PROBE_GRANULARITIES", "covariance_subset"]
+__all__ = ["HOST", "TensorStatistics", "PROBE_FORMATS", "PROBE_GRANULARITIES", "covariance_subset"]
 
 PROBE_FORMATS: Tuple[Fp8Format, ...] = (Fp8Format.E4M3, Fp8Format.E5M2)
 """Formats whose underflow fractions are tracked."""
 
 PROBE_GRANULARITIES: Tuple[str, ...] = ("tensorwise", "rowwise")
 """Scaling granularities whose underflow fractions are tracked."""
+
+HOST = torch.device("cpu")
+"""Where the statistics that accumulate over probe steps live (a layer's reference and recovery
+statistics, and its weight model's factors): on the host, not on the accelerator. A probe step's window statistics are updated on
+the layer's device (the ``rows x features`` products); what is kept across steps is read only at the
+end of a probe step (the safety valve's summaries) and when evidence is made (copied to the layer's
+device for that, :mod:`~loka_torchrec.probe.evidence_rounds`), so it need not hold two full-covariance
+matrices per layer of accelerator memory for the whole run, the eager probe steps' peak included."""
 
 _UNDERFLOW_CHUNK = 1 << 28  # booleans of one batched underflow comparison (256 MiB)
 _CHUNK_ELEMENTS = 1 << 22  # float64 rows are processed in chunks of at most this many elements (32 MiB)

@@ -11,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
-
 from loka_torchrec.probe.layer_state import LayerState, StepDigest
 from loka_torchrec.probe.merge import all_reduce_statistics, rank_deviation
-from loka_torchrec.probe.statistics import TensorStatistics
+from loka_torchrec.probe.statistics import HOST, TensorStatistics
 
 __all__ = ["HISTORY_LIMIT", "MergedStep", "merge_step", "merged_into"]
 
@@ -70,15 +68,6 @@ def merge_step(states: Sequence[LayerState], group: Optional[Any], step: int) ->
         )
         del state.history[:-HISTORY_LIMIT]
     return MergedStep(merged_act, merged_grad, digests)
-
-
-HOST = torch.device("cpu")
-"""Where the statistics that accumulate over probe steps live (a layer's reference and recovery
-statistics): on the host, not on the accelerator. A probe step's window statistics are updated on
-the layer's device (the ``rows x features`` products); what is kept across steps is read only at the
-end of a probe step (the safety valve's summaries) and when evidence is made (copied to the layer's
-device for that, :mod:`~loka_torchrec.probe.evidence_rounds`), so it need not hold two full-covariance
-matrices per layer of accelerator memory for the whole run, the eager probe steps' peak included."""
 
 
 def merged_into(acc: Optional[TensorStatistics], new: TensorStatistics) -> TensorStatistics:

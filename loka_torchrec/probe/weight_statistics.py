@@ -13,12 +13,18 @@ Probe uses its first step from the identity, which matches the *uncentred* secon
 * ``R``, ``C`` and ``sigma2`` are smoothed over probe steps with an EMA (decay ``ema``);
 * beyond ``max_cov_dim`` a factor keeps only its diagonal (row or column mean squares).
 
+The factors are products of the weight, computed where the weight is, but kept on the host: up to
+two ``max_cov_dim``-square float64 matrices a layer, which are read only when evidence is made.
+:meth:`WeightStatistics.on` gives a copy on the layer's device for that, whose square roots are
+factorized there and go with the copy.
+
 The error that Dispatch sees is measured with the *actual* weights; draws from this model are a
 second measurement, logged beside it, that shows how sensitive a layer is to its weight structure.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from typing import Any, Deque, Dict, Optional
@@ -26,6 +32,7 @@ from typing import Any, Deque, Dict, Optional
 import torch
 
 from loka_torchrec.probe.sampling import cholesky_with_jitter
+from loka_torchrec.probe.statistics import HOST
 
 __all__ = ["WeightStatistics"]
 
@@ -96,15 +103,16 @@ class WeightStatistics:
         self.kurtosis = float((sq * sq).sum(dtype=torch.float64)) / w.numel() / (mean_sq * mean_sq) if mean_sq > 0 else math.nan
         if not factors:
             return
-        # The factors are a model, not an exact statistic: float32 products (float64 inputs stay float64).
-        row = self._factor(w, rows=True).double()
-        col = self._factor(w, rows=False).double()
+        # The factors are a model, not an exact statistic: float32 products (float64 inputs stay
+        # float64), made on the weight's device and kept on the host (module docstring).
+        row = self._factor(w, rows=True).double().to(HOST)
+        col = self._factor(w, rows=False).double().to(HOST)
         if self.updates == 0:
             self.row_factor, self.col_factor, self.sigma2 = row, col, mean_sq
         else:
             b = self.ema
-            self.row_factor = b * self.row_factor.to(row.device) + (1 - b) * row
-            self.col_factor = b * self.col_factor.to(col.device) + (1 - b) * col
+            self.row_factor = b * self.row_factor.to(HOST) + (1 - b) * row
+            self.col_factor = b * self.col_factor.to(HOST) + (1 - b) * col
             self.sigma2 = b * self.sigma2 + (1 - b) * mean_sq
         self.updates += 1
         self._roots = None
@@ -114,6 +122,16 @@ class WeightStatistics:
         if dim > self.max_cov_dim:
             return (w * w).mean(dim=1 if rows else 0)  # diagonal only
         return (w @ w.t() if rows else w.t() @ w) / other
+
+    def on(self, device: "torch.device | str") -> "WeightStatistics":
+        """A copy whose factors are on ``device`` (where the draws are made); its square roots are
+        factorized there when first needed, and go with the copy. ``self`` is unchanged."""
+        out = copy.copy(self)
+        out.amax_history = deque(self.amax_history, maxlen=self.amax_history.maxlen)
+        if self.row_factor is not None:
+            out.row_factor, out.col_factor = self.row_factor.to(device), self.col_factor.to(device)
+        out._roots = None
+        return out
 
     @torch.no_grad()
     def sample(self, generator: torch.Generator, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
