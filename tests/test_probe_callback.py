@@ -65,10 +65,10 @@ def _mlp(seed=0):
 CFG = ProbeConfig(enabled=True, every=2, warmup_steps=4, every_after=2, monitor_budget=0.0, samples=3, speed_reps=1, max_rows_per_step=32, readmit_windows=2)
 
 
-def _train(model, probe, steps, *, data=None, rank=0):
+def _train(model, probe, steps, *, data=None, rank=0, start=0):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
-    for step in range(steps):
+    for step in range(start, steps):
         x = torch.randn(32, 16, generator=gen)
         if data is not None:
             x = data(step, x)
@@ -146,8 +146,11 @@ def test_replan_at_the_end_of_warmup_with_evidence_for_every_layer_role_and_cand
     model = _mlp()
     dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]})
     cb = probe(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
-    _train(model, cb, 4)
+    _train(model, cb, 3)
+    assert cb.layer_state("fc1").reservoir.inputs is not None  # warm-up: real rows captured for the evidence
+    _train(model, cb, 4, start=3)
     cb.close()
+    assert cb.layer_state("fc1").reservoir.inputs is None  # released once the evidence is made
     assert dispatch.calls == [("replan", "probe", 3, 2 * 3 * 3)]
     keys = {(ev.layer, ev.role, ev.candidate) for ev in dispatch.evidence}
     assert keys == {(layer, role, c) for layer in ("fc1", "fc2") for role in GemmRole for c in (BF16, SMM_TW, SMM_RW)}

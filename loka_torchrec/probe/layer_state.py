@@ -79,6 +79,12 @@ class LayerState:
         """Forget the captured rows (after a shift they describe the old distribution)."""
         self.reservoir = RowReservoir(self.in_features, self.out_features, capacity=self.config.reservoir_rows, seed=self.config.seed + 1)
 
+    def release_rows(self) -> None:
+        """Once its evidence is made, drop the captured rows (on the layer's device, up to
+        ``reservoir_rows x (in + out)`` values): nothing reads them again; a trip starts a new
+        reservoir for the recovery's evidence (:meth:`reset_reservoir`)."""
+        self.reset_reservoir()
+
     def delayed_amax(self, which: str) -> Optional[float]:
         """The amax a delayed tensorwise scale would use: the largest of earlier probe steps."""
         hist = self.act_amax if which == "act" else self.grad_amax
