@@ -258,8 +258,9 @@ def format_summary(s: Dict[str, Any]) -> str:
         )
     for name, entry in (s.get("serving") or {}).items():
         if entry.get("exported"):
+            sizes = "any batch size" if entry["batch"] == "dynamic" else f"batch fixed: {entry.get('batch_fixed_because')}"
             check = ("checked: the program gives the served model's output at " + " and ".join(map(str, entry["checked_batches"]))
-                     + " rows (any batch size)") if entry["verified"] else "MISMATCH against the served model"
+                     + f" rows ({sizes})") if entry["verified"] else "MISMATCH against the served model"
             lines.append(f"serving          {entry['file']}: {entry['summary']}; {check}")
         else:
             lines.append(f"serving          {name} not exported: {entry['reason']}")

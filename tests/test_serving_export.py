@@ -24,6 +24,35 @@ def test_the_serving_settings_are_checked():
         TrainConfig(export_serving="yes")
 
 
+def test_a_module_that_specializes_on_its_batch_is_exported_at_the_evaluation_batch(tmp_path):
+    """``torch.export`` refuses a free batch dim for a model that bakes its batch into a reshape: the
+    program is then exported at the evaluation batch, checked, and ``serving.json`` says why."""
+    import torch
+    from torch import nn
+
+    from loka_job.training.serving_export import export_serving
+    from loka_torchrec.inference import InferenceReport
+
+    class FixedBatch(nn.Module):
+        def forward(self, x):
+            return (x.reshape(8, 2, 3) * 2).sum(dim=1)  # 8 rows, written in
+
+    class AnyBatch(nn.Module):
+        def forward(self, x):
+            return x.sum(dim=1, keepdim=True)
+
+    empty = InferenceReport({}, {})
+    x = torch.randn(8, 6)
+    entries = export_serving({"fixed": (FixedBatch(), empty), "free": (AnyBatch(), empty)}, {"fixed": (x,), "free": (x,)}, str(tmp_path))
+    fixed, free = entries["fixed"], entries["free"]
+    assert fixed["exported"] and fixed["verified"] and fixed["batch"] == 8 and fixed["checked_batches"] == [8]
+    assert fixed["batch_fixed_because"].split(":")[0].endswith("Error"), fixed
+    assert free["batch"] == "dynamic" and free["checked_batches"] == [8, 4] and "batch_fixed_because" not in free
+    assert json.loads((tmp_path / "serving" / "serving.json").read_text())["fixed"]["batch"] == 8
+    program = torch.export.load(fixed["file"]).module()
+    assert torch.equal(program(x), FixedBatch()(x))
+
+
 @pytest.mark.slow
 def test_a_two_rank_job_exports_its_dense_modules_and_they_run_without_this_project(tmp_path):
     run_dir = tmp_path / "run"

@@ -5,8 +5,9 @@ and keeps each dense module's inputs (:func:`captured_inputs`). Rank 0 then, for
 (:func:`loka_torchrec.compile.dense_modules`; the tables are served by TorchRec), works on a copy:
 :func:`loka_torchrec.inference_modules` keeps FP8 where training runs it now (with LoKA off the
 copy stays as trained), ``torch.export`` captures it with the batch dim free (any batch size; the
-other dims as in the evaluation batch), and the program, run on the kept inputs and on their first
-half, must give the copy's output exactly. It writes, atomically, to
+other dims as in the evaluation batch; where a model specializes on its batch, at the evaluation
+batch, with the reason in ``serving.json``), and the program, run on the kept inputs (and, batch
+free, on their first half) must give the copy's output exactly. It writes, atomically, to
 ``RUN_DIR/serving/``:
 
 * ``<module>.pt2``: the program (``torch.export.load(path).module()``; it needs torch only: a
@@ -152,6 +153,10 @@ def _save_tensor_file(path: str, value: Any) -> None:
         torch.save(value, f)
 
 
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+
+
 def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], captured: Dict[str, Tuple[Any, ...]], run_dir: str, *,
                    input_scaling: str = "dynamic") -> Dict[str, Any]:  # fmt: skip
     """Export each serving copy of ``served`` (:func:`serving_copies`) with its ``captured`` inputs
@@ -170,17 +175,22 @@ def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], capture
         path = os.path.join(out_dir, f"{name}.pt2")
         tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}.pt2")  # torch.export names archives *.pt2
         batch = int(next(t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)).shape[0])
+        half = tree_map(lambda t: t[: max(batch // 2, 1)] if isinstance(t, torch.Tensor) and t.dim() else t, args)
+        fixed_because = None  # why the program's batch is fixed (it is free unless torch.export refused that)
         try:
             with torch.no_grad():
-                program = export_program(module, args, tmp, dynamic_batch=True)
+                try:
+                    program = export_program(module, args, tmp, dynamic_batch=True)
+                except Exception as exc:  # noqa: BLE001 - a model that specializes on its batch: export it fixed
+                    fixed_because = _first_line(exc)
+                    program = export_program(module, args, tmp, dynamic_batch=False)
                 expected = module(*args)
                 got = program.module()(*args)
-                # The batch dim is free in the program: checked again at half the rows.
-                half = tree_map(lambda t: t[: max(batch // 2, 1)] if isinstance(t, torch.Tensor) and t.dim() else t, args)
-                verified_half = bool(torch.equal(program.module()(*half), module(*half)))
+                # A free batch dim is checked again at half the rows.
+                verified_half = fixed_because is not None or bool(torch.equal(program.module()(*half), module(*half)))
             os.replace(tmp, path)
         except Exception as exc:  # an export failure is this module's, reported; training's results stand
-            entries[name] = {"exported": False, "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            entries[name] = {"exported": False, "reason": _first_line(exc)}
             continue
         finally:
             if os.path.exists(tmp):
@@ -192,8 +202,11 @@ def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], capture
             "exported": True, "file": path, "verified": verified, "input_scaling": input_scaling,
             "summary": report.summary(), "fp8": _named(name, report.fp8), "high_precision": _named(name, report.high_precision),
             "static_inputs": _named(name, report.static_inputs), "dynamic_inputs": _named(name, report.dynamic_inputs),
-            "batch": "dynamic", "checked_batches": [batch, max(batch // 2, 1)],
+            "batch": "dynamic" if fixed_because is None else batch,
+            "checked_batches": [batch, max(batch // 2, 1)] if fixed_because is None else [batch],
         }  # fmt: skip
+        if fixed_because is not None:
+            entries[name]["batch_fixed_because"] = fixed_because
     write_serving(run_dir, entries)
     return entries
 
