@@ -13,8 +13,8 @@ records of ``block`` FP8 values and their fp32 scale) in two collectives:
 A rank sends ``2 (N - 1) / N`` of the bucket's elements at about one byte each (plus 4 bytes per
 ``block`` values of scale), against four for fp32: where the all-reduce is exposed (between nodes)
 that is what the step waits for. The cost is precision: every gradient value is rounded to FP8
-twice (before the sum, relative error at most ``2**-4`` in E4M3 plus a subnormal term below
-``2**-10`` of its block's largest value; and the sum again), which is noise a training run must
+twice (before the sum, relative error at most ``2**-4`` in E4M3 plus a subnormal term of at most
+``2**-10 / 448`` of its block's largest value; and the sum again), which is noise a training run must
 tolerate, so nothing switches this on by itself: a user or the job's ``train.dense_allreduce=fp8``
 asks for it. A NaN or inf in a gradient reaches every rank's averaged gradient as NaN, as with fp32.
 
