@@ -196,6 +196,8 @@ def test_a_candidate_slower_than_bf16_in_plan_trials_turns_nothing_off(loka_run,
     assert report["status"]["step_guard"]["verdicts"] == []  # the windows were the trials'
     fwd = report["layers"][0]["roles"]["fwd"]
     assert (fwd["held_by"] == "") if kept else (fwd["held_by"] == "step-time guard" and fwd["reason"] == f"at step 60: {summary}")
+    why = _view(run, capsys, monkeypatch, "--why", "0")
+    assert f"step 60: {summary}" in " ".join(why.split())  # the trials' choice among the layer's events
 
 
 def test_an_in_force_count_recorded_in_the_plan_file_is_shown(loka_run, tmp_path, capsys, monkeypatch):

@@ -3,7 +3,7 @@
 The layer's latest statistics (input, output gradient, weight), then per GEMM role the kernel in
 force and the planned one, the decision's source and whole reason, every candidate the decision
 weighed with its error, time and speedup and which gate it failed, and last the layer's events
-(layer check, gradient check, safety valve, readmission) in step order.
+(layer check, gradient check, the plan trials' choice, safety valve, readmission) in step order.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def _events(view: RunView, name: str, entry: Dict[str, Any]) -> List[Dict[str, A
                 merged[(e.get("step"), "demote")] = {**e, "event": "grad_check_demote"}
             elif e.get("kind") == "plan" and e.get("site") == name:
                 merged[(e.get("step"), kind)] = e
+        elif kind == "plan_selected":  # the plan trials' choice holds for every layer (its summary names the plan)
+            merged[(e.get("step"), kind)] = e
         elif kind == "never_ran" and name in (e.get("layers") or {}):
             merged[(e.get("step"), kind)] = {**e, "reason": e["layers"][name]}
         elif e.get("layer") == name:
@@ -126,6 +128,8 @@ def _event_text(e: Dict[str, Any]) -> str:
     if kind == "grad_check_demote":
         return (f"gradient check: {e.get('role')} {e.get('choice')} back to bf16 (alone it put {e.get('damaged')}'s weight "
                 f"gradient at {number(e.get('alone_db'), '.1f')} dB)")  # fmt: skip
+    if kind == "plan_selected":
+        return e.get("summary") or "plan trials ended"
     if kind == "fallback":
         return f"safety valve: to bf16: {e.get('reason', '')}"
     if kind == "readmit":
