@@ -18,11 +18,13 @@ bf16). :func:`inference_modules` turns the model into one that runs that forward
 * the mods stay: the model keeps the architecture it trained with.
 
 **Input scales.** ``input_scaling="dynamic"`` (default) scales each call's input by its own amax.
-``"static"`` uses what training learned where it is safe: a tensorwise layer whose input amax over its
-last training calls (the history its delayed scaling keeps, ``GemmSite._amax_history``) stayed within
-``STABLE_AMAX_RATIO`` of its median gets a fixed scale from the largest of them; its casts then need no
-amax pass (a compiled model fuses them into the producer), and a serving input beyond that amax
-saturates to the format's maximum. Every other layer stays dynamic, and the report says why.
+``"static"`` uses what training learned where it is safe: a tensorwise layer whose recorded input amaxes
+stayed within ``STABLE_AMAX_RATIO`` of their median gets a fixed scale from the largest of them; its
+casts then need no amax pass (a compiled model fuses them into the producer), and a serving input beyond
+that amax saturates to the format's maximum. The amaxes are those of the layer's last training calls
+where its delayed scaling kept them (``GemmSite._amax_history``, a compiled run), else those of the
+Probe's last probe steps (``input_amaxes``, from ``ProbeCallback.input_amaxes``), which a run with
+current scaling or without compile has too. Every other layer stays dynamic, and the report says why.
 
 The result holds only torch modules and aten ops in its forward, so ``torch.export`` captures it and
 a process without this project loads it (``torch.export.load``): see :func:`export_program`.
@@ -34,7 +36,7 @@ TorchRec's own inference path).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -165,23 +167,30 @@ def _fp8_forward(layer: LokaLinear) -> Tuple[Optional[str], bool, str]:
     return granularity.value, fast_accum, str(choice)
 
 
-def _static_input_amax(layer: LokaLinear, granularity: str) -> Tuple[Optional[float], str]:
-    """``(amax, "")`` for a static input scale from the layer's recorded input amaxes, or ``(None, why not)``."""
+def _static_input_amax(layer: LokaLinear, granularity: str, probed: Optional[Sequence[float]]) -> Tuple[Optional[float], str]:
+    """``(amax, "")`` for a static input scale from the layer's recorded input amaxes (its delayed
+    scaling's history, else the Probe's ``probed`` ones), or ``(None, why not)``."""
     if granularity != "tensorwise":
         return None, "rowwise: each row has its own scale"
     history = getattr(layer, "_amax_history", None)
-    if history is None or not getattr(layer, "_history_seeded", False):
+    if history is not None and getattr(layer, "_history_seeded", False):
+        amaxes, source = history[0][history[0] > 0].double(), "calls"
+    elif probed:
+        amaxes, source = torch.tensor([float(a) for a in probed], dtype=torch.float64), "probe steps"
+        amaxes = amaxes[amaxes > 0]
+    else:
         return None, "no input amax recorded in training"
-    amaxes = history[0][history[0] > 0].double()
     if amaxes.numel() == 0 or not bool(torch.isfinite(amaxes).all()):
         return None, "no finite input amax recorded in training"
     high, median = float(amaxes.max()), float(amaxes.median())
     if high > STABLE_AMAX_RATIO * median:
-        return None, f"input amax varied: largest {high:.4g} vs median {median:.4g} over {amaxes.numel()} calls"
+        return None, f"input amax varied: largest {high:.4g} vs median {median:.4g} over {amaxes.numel()} {source}"
     return high, ""
 
 
-def inference_modules(model: nn.Module, *, input_scaling: str = "dynamic") -> InferenceReport:
+def inference_modules(
+    model: nn.Module, *, input_scaling: str = "dynamic", input_amaxes: Optional[Mapping[str, Sequence[float]]] = None
+) -> InferenceReport:
     """Turn a trained, LoKA-converted ``model`` into its serving form, in place (module docstring).
 
     Call it after training (after ``loka.close()``), on the unsharded dense modules or the whole
@@ -191,6 +200,9 @@ def inference_modules(model: nn.Module, *, input_scaling: str = "dynamic") -> In
         model: the model :func:`loka_torchrec.prepare` or :func:`loka_torchrec.apply` converted.
         input_scaling: ``"dynamic"`` or ``"static"`` (where training's input amaxes were stable;
             see the module docstring).
+        input_amaxes: ``{layer name in model: amaxes}``, the Probe's
+            (``loka.probe.input_amaxes(model)``): for ``"static"``, the layers without a delayed-scaling
+            history take their scale from these.
 
     Returns:
         :class:`InferenceReport`: which layers run FP8 now, and why the others do not.
@@ -223,7 +235,7 @@ def inference_modules(model: nn.Module, *, input_scaling: str = "dynamic") -> In
             else:
                 amax = None
                 if input_scaling == "static":
-                    amax, why_not = _static_input_amax(module, granularity)
+                    amax, why_not = _static_input_amax(module, granularity, (input_amaxes or {}).get(fqn))
                     if amax is None:
                         dynamic[fqn] = why_not
                     else:

@@ -1,5 +1,6 @@
 """``loka_torchrec.inference``: the serving form of a trained model, its numerics, and its export."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -162,6 +163,30 @@ def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_pa
     assert bad.returncode == 2 and "need --plan" in bad.stderr
 
 
+def test_an_eager_run_gets_static_scales_from_the_probes_amaxes(tmp_path):
+    """Without compile no delayed-scaling history exists: the README loop's Probe recorded each layer's
+    input amax at its probe steps, and those give the static scales (named in the copy's terms)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    config = loka_torchrec.LokaConfig.from_dict({
+        "enabled": True, "probe": {"every": 1, "warmup_steps": 3, "samples": 2, "speed_reps": 1},
+        "dispatch": {"mode": "all:scaled_mm:tensorwise", "layer_check_reps": 0, "grad_check": False},
+    })  # fmt: skip
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), device="cpu")
+    for step in range(1, 7):
+        with loka.step(step):
+            x = torch.randn(64, 16)
+            model(x / x.abs().max()).square().mean().backward()
+    amaxes = loka.probe.input_amaxes(model)
+    loka.close()
+    assert set(amaxes) == {"0", "2"} and all(len(v) >= 3 for v in amaxes.values())
+    served = copy.deepcopy(model)
+    report = inference_modules(served, input_scaling="static", input_amaxes=amaxes)
+    assert report.static_inputs["0"] == pytest.approx(max(amaxes["0"]))  # inputs scaled to amax 1: stable
+    assert report.static_inputs.keys() | report.dynamic_inputs.keys() == {"0", "2"}
+    assert inference_modules(copy.deepcopy(model), input_scaling="static").dynamic_inputs["0"] == "no input amax recorded in training"
+
+
 def test_static_input_scales_where_training_saw_a_stable_input_amax():
     """Tensorwise layers whose recorded input amaxes stayed within 1.5x of their median get a fixed
     scale from the largest; a varying one, a rowwise one and one never run stay dynamic, each with why."""
@@ -198,5 +223,11 @@ def test_static_input_scales_where_training_saw_a_stable_input_amax():
     assert inference_modules(fresh, input_scaling="static").dynamic_inputs == {"0": "no input amax recorded in training"}
     with pytest.raises(ValueError, match="input_scaling: expected one of dynamic, static"):
         inference_modules(fresh, input_scaling="delayed")
+    for amaxes, static, dynamic in (([2.0, 2.5], {"0": 2.5}, {}),  # the Probe's amaxes, where no history was kept
+                                    ([1.0, 4.0, 1.1], {}, {"0": "input amax varied: largest 4 vs median 1.1 over 3 probe steps"})):
+        unrun = nn.Sequential(nn.Linear(4, 4))
+        loka_torchrec.apply(unrun, DispatchConfig(mode="all:scaled_mm:tensorwise", compiled=True))
+        probed = inference_modules(unrun, input_scaling="static", input_amaxes={"0": amaxes})
+        assert (probed.static_inputs, probed.dynamic_inputs) == (static, dynamic)  # fmt: skip
     with pytest.raises(ValueError, match="input_amax: a finite amax > 0, for tensorwise layers only"):
         Fp8InferenceLinear(torch.randn(4, 4), None, "rowwise", input_amax=1.0)

@@ -109,15 +109,18 @@ def test_a_dhen_job_exports_its_over_arch_taking_the_pooled_embeddings_as_one_te
     """DHEN's dense part takes the pooled embeddings (a KeyedTensor): the program takes its values tensor."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = ["-m", "loka_job.train", "device=cpu", "model=dhen", "data.batch_size=64", "data.eval_batches=1", "train.steps=3",
-               "train.progress_bar=false", "loka.probe.enabled=false", "loka.dispatch.mode=all:scaled_mm:tensorwise",
-               "train.export_serving=true", "train.serving_input_scaling=static"]  # fmt: skip
+    command = ["-m", "loka_job.train", "device=cpu", "model=dhen", "data.batch_size=64", "data.eval_batches=1", "train.steps=4",
+               "train.progress_bar=false", "loka.probe.every=1", "loka.probe.warmup_steps=4", "loka.probe.samples=2",
+               "loka.dispatch.mode=all:scaled_mm:tensorwise", "train.export_serving=true", "train.serving_input_scaling=static"]  # fmt: skip
     proc = run_job(command, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     entry = json.loads((run_dir / "serving" / "serving.json").read_text())["over_arch"]
     assert entry["exported"] and entry["verified"] and entry["summary"].startswith("25/25 linear layers in FP8")
-    # eager CPU training scales by each call's amax and records no history: static scales have nothing to go on
-    assert set(entry["dynamic_inputs"].values()) == {"no input amax recorded in training"}
+    # Eager CPU training keeps no delayed-scaling history: the static scales come from the Probe's input
+    # amaxes of its 4 probe steps, where they stayed within 1.5x; every other layer says why it is dynamic.
+    assert entry["static_inputs"] and all(k.startswith("over_arch.") for k in entry["static_inputs"])
+    assert len(entry["static_inputs"]) + len(entry["dynamic_inputs"]) == 25
+    assert all(why.startswith("input amax varied") and why.endswith("probe steps") for why in entry["dynamic_inputs"].values())
     _runs_with_torch_alone(tmp_path, run_dir / "serving", ["over_arch"])
 
 

@@ -111,12 +111,16 @@ def _served_copy(module: nn.Module) -> nn.Module:
     return served
 
 
-def serving_copies(modules: Dict[str, nn.Module], input_scaling: str) -> Dict[str, Tuple[nn.Module, InferenceReport]]:
-    """Per module, its serving copy (:func:`loka_torchrec.inference_modules` on a copy) and the report."""
+def serving_copies(
+    modules: Dict[str, nn.Module], input_scaling: str, probe: Optional[Any] = None
+) -> Dict[str, Tuple[nn.Module, InferenceReport]]:
+    """Per module, its serving copy (:func:`loka_torchrec.inference_modules` on a copy) and the report;
+    ``probe`` (the run's ``ProbeCallback``, if any) gives static scales the layers' recorded input amaxes."""
     out = {}
     for name, module in modules.items():
+        amaxes = probe.input_amaxes(module) if probe is not None else None  # named as in the copy
         served = _served_copy(module).eval()
-        out[name] = (served, inference_modules(served, input_scaling=input_scaling))
+        out[name] = (served, inference_modules(served, input_scaling=input_scaling, input_amaxes=amaxes))
     return out
 
 

@@ -782,7 +782,8 @@ class Trainer:
         dense = {name: self.module.model.get_submodule(name) for name in dense_modules(self.module.model)} if export else {}
         metrics, captured = self._eval_pass(capture=dense)
         if export:
-            served = serving_copies(dense, self.cfg.serving_input_scaling)  # every rank: the passes below are collective
+            probe = self.loka.probe if self.loka is not None else None
+            served = serving_copies(dense, self.cfg.serving_input_scaling, probe)  # every rank: the passes below are collective
             if self.ctx.is_main:
                 self.serving = export_serving(served, captured, self.run_dir, input_scaling=self.cfg.serving_input_scaling)
             with torch.no_grad(), swapped(self.module.model, {name: copy_ for name, (copy_, _) in served.items()}):

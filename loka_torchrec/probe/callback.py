@@ -217,6 +217,14 @@ class ProbeCallback:
     def layer_state(self, name: str) -> LayerState:
         return self._layers[name]
 
+    def input_amaxes(self, within: nn.Module) -> Dict[str, List[float]]:
+        """The merged input amax of the probe steps each layer remembers (``probe.amax_history`` of
+        them, warm-up and monitoring), for the layers inside ``within``, keyed by their name there
+        (found by identity, so a copy of ``within`` has the same names): what a static serving scale
+        may be taken from (``loka_torchrec.inference_modules(input_amaxes=...)``)."""
+        local = {id(module): fqn for fqn, module in within.named_modules(remove_duplicate=False)}
+        return {local[id(s.module)]: list(s.act_amax) for s in self._layers.values() if id(s.module) in local}
+
     @property
     def monitoring_paused(self) -> bool:
         """Whether monitoring steps are skipped: the plan is made and no layer is guarded (none runs
