@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka_torchrec.dispatch.linear import LokaLinear
-from loka_torchrec.evidence import GemmRole
+from loka_torchrec.evidence import GemmRole, Interval
 from loka_torchrec.fp8 import Granularity, quantize
 from loka_torchrec.gemm.recipes import RECIPE_GRANULARITY, split_fast_accum
+from loka_torchrec.inference_timing import ServingTimer, time_serving_forward
 from loka_torchrec.plain import plain_modules
 
 __all__ = ["Fp8InferenceLinear", "InferenceReport", "INPUT_SCALINGS", "STABLE_AMAX_RATIO", "export_program", "inference_modules"]
@@ -139,12 +140,14 @@ class InferenceReport:
         high_precision: ``{layer name: why}``: the layers now plain ``nn.Linear``.
         static_inputs: ``{layer name: input amax}``: FP8 layers with a static input scale.
         dynamic_inputs: ``{layer name: why}``: FP8 layers left dynamic under ``input_scaling="static"``.
+        timings: ``{layer name: {"rows", "fp8_ms", "high_precision_ms"}}`` where ``serving_rows`` timed it.
     """
 
     fp8: Dict[str, str]
     high_precision: Dict[str, str]
     static_inputs: Dict[str, float] = dataclasses.field(default_factory=dict)
     dynamic_inputs: Dict[str, str] = dataclasses.field(default_factory=dict)
+    timings: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         total = len(self.fp8) + len(self.high_precision)
@@ -189,7 +192,13 @@ def _static_input_amax(layer: LokaLinear, granularity: str, probed: Optional[Seq
 
 
 def inference_modules(
-    model: nn.Module, *, input_scaling: str = "dynamic", input_amaxes: Optional[Mapping[str, Sequence[float]]] = None
+    model: nn.Module,
+    *,
+    input_scaling: str = "dynamic",
+    input_amaxes: Optional[Mapping[str, Sequence[float]]] = None,
+    serving_rows: Optional[int] = None,
+    min_speedup: float = 1.0,
+    timer: Optional[ServingTimer] = None,
 ) -> InferenceReport:
     """Turn a trained, LoKA-converted ``model`` into its serving form, in place (module docstring).
 
@@ -203,6 +212,13 @@ def inference_modules(
         input_amaxes: ``{layer name in model: amaxes}``, the Probe's
             (``loka.probe.input_amaxes(model)``): for ``"static"``, the layers without a delayed-scaling
             history take their scale from these.
+        serving_rows: the rows of a serving batch. Given, each FP8 layer's forward is timed against
+            its high-precision form at that many rows (:mod:`loka_torchrec.inference_timing`; layers
+            of one shape and kernel are timed once) and stays FP8 only where high precision's 25th
+            percentile over FP8's 75th reaches ``min_speedup``; the others run in high precision,
+            with both times in the reason. ``None``: every layer training runs in FP8 serves in FP8.
+        min_speedup: that gate (default 1.0: not slower).
+        timer: replaces :func:`~loka_torchrec.inference_timing.time_serving_forward` (tests).
 
     Returns:
         :class:`InferenceReport`: which layers run FP8 now, and why the others do not.
@@ -215,6 +231,11 @@ def inference_modules(
         raise TypeError(f"model: expected the module holding the LoKA layers, got {type(model).__name__}")
     if input_scaling not in INPUT_SCALINGS:
         raise ValueError(f"input_scaling: expected one of {', '.join(INPUT_SCALINGS)}, got {input_scaling!r}")
+    if serving_rows is not None and (isinstance(serving_rows, bool) or not isinstance(serving_rows, int) or serving_rows < 1):
+        raise ValueError(f"serving_rows: expected the rows of a serving batch, an int >= 1, got {serving_rows!r}")
+    timer = timer or time_serving_forward
+    timed: Dict[tuple, Tuple[Interval, Interval]] = {}  # one timing per layer shape and kernel
+    timings: Dict[str, Dict[str, float]] = {}
     fp8: Dict[str, str] = {}
     high: Dict[str, str] = {}
     static: Dict[str, float] = {}
@@ -240,12 +261,30 @@ def inference_modules(
                         dynamic[fqn] = why_not
                     else:
                         static[fqn] = amax
-                made[id(module)] = Fp8InferenceLinear(module.weight, module.bias, granularity, fast_accum=fast_accum, input_amax=amax)
-                fp8[fqn] = granularity + ("_fast_accum" if fast_accum else "")
+                layer = Fp8InferenceLinear(module.weight, module.bias, granularity, fast_accum=fast_accum, input_amax=amax)
+                slower = None
+                if serving_rows is not None:
+                    key = (module.in_features, module.out_features, module.bias is not None, granularity, fast_accum, amax is None)
+                    if key not in timed:
+                        timed[key] = timer(layer, module, serving_rows)
+                    fp8_ms, hp_ms = timed[key]
+                    timings[fqn] = {"rows": serving_rows, "fp8_ms": fp8_ms.value, "high_precision_ms": hp_ms.value}
+                    speedup_low = hp_ms.low / fp8_ms.high if fp8_ms.high > 0 else float("inf")
+                    if speedup_low < min_speedup:
+                        slower = (f"not faster at {serving_rows} rows: {fp8_ms.value:.4g} ms in FP8 vs {hp_ms.value:.4g} ms in "
+                                  f"high precision (lo {speedup_low:.2f}x < {min_speedup:g})")  # fmt: skip
+                if slower is not None:
+                    made[id(module)] = module.to_linear()
+                    high[fqn] = slower
+                    static.pop(fqn, None)
+                    dynamic.pop(fqn, None)
+                else:
+                    made[id(module)] = layer
+                    fp8[fqn] = granularity + ("_fast_accum" if fast_accum else "")
         setattr(parent, child, made[id(module)])
     plain_modules(model)  # the reached Parameter GEMMs (scopes): their own forward again
     model.eval()
-    return InferenceReport(fp8, high, static, dynamic)
+    return InferenceReport(fp8, high, static, dynamic, timings)
 
 
 def export_program(model: nn.Module, example_args: Sequence, path: str, *, dynamic_batch: bool = True):

@@ -25,6 +25,7 @@ launch) keep running the real command.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -36,7 +37,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence
 
 import torch.multiprocessing as mp
 
@@ -58,6 +59,26 @@ def spawn_ranks(fn: Callable, args: Sequence, nprocs: int) -> None:
 def _rank(rank: int, fn: Callable, args: tuple) -> None:
     fn(rank, *args)
     exit_process(0)
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world: int, init_file: str, backend: str = "gloo") -> Iterator[None]:
+    """A spawned rank's process group for the block (file store ``init_file``), destroyed after it."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def write_result(out_dir: str, rank: int, value) -> None:
+    """A rank's result for the test to read back: ``<out_dir>/rank<r>.json``."""
+    import json
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(value, f)
 
 
 def run_job(

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loka_torchrec.comms.fp8_allreduce import Fp8AllreduceState, fp8_allreduce_hook
-from multirank import spawn_ranks
+from multirank import process_group, spawn_ranks, write_result
 
 U_E4M3 = 2.0**-4  # unit roundoff of E4M3 (round to nearest)
 SUB_E4M3 = 2.0**-9  # its smallest subnormal
@@ -102,8 +102,7 @@ def test_a_nan_on_one_rank_reaches_every_ranks_average(tmp_path):
 
 
 def _group_worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, in order
         group = groups[rank // 2]
         torch.manual_seed(100 + rank)
@@ -113,12 +112,8 @@ def _group_worker(rank, world, init_file, out_dir):
         ((ddp(x) - y) ** 2).mean().backward()
         local = _model()
         ((local(x) - y) ** 2).mean().backward()
-        grads = {"fp8": torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).tolist(),
-                 "local": torch.cat([p.grad.reshape(-1) for p in local.parameters()]).tolist()}  # fmt: skip
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(grads, f)
-    finally:
-        dist.destroy_process_group()
+        write_result(out_dir, rank, {"fp8": torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).tolist(),
+                                     "local": torch.cat([p.grad.reshape(-1) for p in local.parameters()]).tolist()})  # fmt: skip
 
 
 @pytest.mark.slow

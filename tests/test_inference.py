@@ -163,6 +163,40 @@ def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_pa
     assert bad.returncode == 2 and "need --plan" in bad.stderr
 
 
+def test_at_the_serving_rows_a_layer_stays_fp8_only_where_its_forward_is_faster():
+    """``serving_rows``: each FP8 layer timed against its high-precision form at those rows (once per
+    shape); slower ones serve in high precision with both times; a real timing runs on the CPU too."""
+    from loka_torchrec.evidence import Interval
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise"))
+    calls = []
+
+    def timer(fp8_layer, layer, rows):  # 32 -> 32 layers gain, the others lose
+        calls.append((layer.in_features, layer.out_features, rows))
+        assert isinstance(fp8_layer, Fp8InferenceLinear) and rows == 256
+        fast = (layer.in_features, layer.out_features) == (32, 32)
+        fp8 = Interval(1.0, 0.9, 1.1, 5, "iqr") if fast else Interval(2.0, 1.9, 2.1, 5, "iqr")
+        return fp8, Interval(1.5, 1.4, 1.6, 5, "iqr")
+
+    report = inference_modules(model, serving_rows=256, timer=timer)
+    assert set(report.fp8) == {"2", "4"} and set(report.high_precision) == {"0", "6"}
+    assert report.high_precision["0"] == "not faster at 256 rows: 2 ms in FP8 vs 1.5 ms in high precision (lo 0.67x < 1)"
+    assert sorted(calls) == [(16, 32, 256), (32, 8, 256), (32, 32, 256)]  # the two 32 -> 32 layers timed once
+    assert report.timings["4"] == {"rows": 256, "fp8_ms": 1.0, "high_precision_ms": 1.5}
+    assert isinstance(model[0], nn.Linear) and isinstance(model[2], Fp8InferenceLinear)
+    with pytest.raises(ValueError, match="serving_rows: expected the rows of a serving batch, an int >= 1, got 0"):
+        inference_modules(nn.Sequential(nn.Linear(4, 4)), serving_rows=0)
+    # the real timer, on this CPU: both forms timed, the decision follows the rule from those times
+    real = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    loka_torchrec.apply(real, DispatchConfig(mode="all:scaled_mm:tensorwise"))
+    timed = inference_modules(real, serving_rows=64)
+    assert set(timed.timings) == {"0", "2"} and all(t["fp8_ms"] > 0 and t["high_precision_ms"] > 0 for t in timed.timings.values())
+    assert set(timed.fp8) | set(timed.high_precision) == {"0", "2"}
+    assert all(why.startswith("not faster at 64 rows") for why in timed.high_precision.values())
+
+
 def test_an_eager_run_gets_static_scales_from_the_probes_amaxes(tmp_path):
     """Without compile no delayed-scaling history exists: the README loop's Probe recorded each layer's
     input amax at its probe steps, and those give the static scales (named in the copy's terms)."""

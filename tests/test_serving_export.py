@@ -66,6 +66,7 @@ def test_a_two_rank_job_exports_its_dense_modules_and_they_run_without_this_proj
     for name, entry in serving.items():
         assert entry["exported"] and entry["verified"] and entry["batch"] == "dynamic" and entry["checked_batches"] == [128, 64]
         assert entry["fp8"] and all(k.startswith(name + ".") and v == "rowwise" for k, v in entry["fp8"].items())
+        assert entry["timings"] == {}  # train.serving_rows=0: every layer training runs in FP8 serves in FP8
         assert f"serving          {entry['file']}: {entry['summary']}; checked: the program gives the served model's output at 128 and 64 rows (any batch size)" in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["serving"] == serving
@@ -111,15 +112,21 @@ def test_a_dhen_job_exports_its_over_arch_taking_the_pooled_embeddings_as_one_te
     env = dict(os.environ, LOKA_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = ["-m", "loka_job.train", "device=cpu", "model=dhen", "data.batch_size=64", "data.eval_batches=1", "train.steps=4",
                "train.progress_bar=false", "loka.probe.every=1", "loka.probe.warmup_steps=4", "loka.probe.samples=2",
-               "loka.dispatch.mode=all:scaled_mm:tensorwise", "train.export_serving=true", "train.serving_input_scaling=static"]  # fmt: skip
+               "loka.dispatch.mode=all:scaled_mm:tensorwise", "train.export_serving=true", "train.serving_input_scaling=static",
+               "train.serving_rows=32"]  # fmt: skip
     proc = run_job(command, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     entry = json.loads((run_dir / "serving" / "serving.json").read_text())["over_arch"]
-    assert entry["exported"] and entry["verified"] and entry["summary"].startswith("25/25 linear layers in FP8")
+    assert entry["exported"] and entry["verified"]
+    # train.serving_rows=32: every layer training ran in FP8 timed forward at 32 rows; FP8 where faster
+    assert set(entry["timings"]) == set(entry["fp8"]) | set(entry["high_precision"]) and len(entry["timings"]) == 25
+    assert all(t["rows"] == 32 and t["fp8_ms"] > 0 for t in entry["timings"].values())
+    assert all(why.startswith("not faster at 32 rows") for why in entry["high_precision"].values())
+    assert entry["summary"].startswith(f"{len(entry['fp8'])}/25 linear layers in FP8")
     # Eager CPU training keeps no delayed-scaling history: the static scales come from the Probe's input
-    # amaxes of its 4 probe steps, where they stayed within 1.5x; every other layer says why it is dynamic.
-    assert entry["static_inputs"] and all(k.startswith("over_arch.") for k in entry["static_inputs"])
-    assert len(entry["static_inputs"]) + len(entry["dynamic_inputs"]) == 25
+    # amaxes of its 4 probe steps, where they stayed within 1.5x; every other FP8 layer says why it is dynamic.
+    assert set(entry["static_inputs"]) | set(entry["dynamic_inputs"]) == set(entry["fp8"])
+    assert all(k.startswith("over_arch.") for k in entry["timings"])
     assert all(why.startswith("input amax varied") and why.endswith("probe steps") for why in entry["dynamic_inputs"].values())
     _runs_with_torch_alone(tmp_path, run_dir / "serving", ["over_arch"])
 
@@ -144,4 +151,27 @@ def test_a_finished_run_is_exported_by_resuming_its_last_checkpoint(tmp_path):
     assert all(entry["exported"] and entry["verified"] for entry in serving.values())
     assert serving["model.over_arch"]["eval"]["trained"]["ne"] == pytest.approx(before["eval_ne"], rel=1e-6)
     _runs_with_torch_alone(tmp_path, tmp_path / "serve" / "serving", ["model.dense_arch", "model.over_arch"])
+
+
+def _replay_worker(rank, world, init_file, out_dir):
+    from loka_job.training import serving_export
+    from loka_torchrec import inference_timing
+    from loka_torchrec.evidence import Interval
+    from multirank import process_group, write_result
+
+    with process_group(rank, world, init_file):
+        # each rank's own "timing" differs: rank 0 finds FP8 faster, rank 1 slower
+        own = Interval(1.0, 1.0, 1.0, 1, "iqr") if rank == 0 else Interval(9.0, 9.0, 9.0, 1, "iqr")
+        inference_timing.time_serving_forward = lambda fp8, layer, rows: (own, Interval(2.0, 2.0, 2.0, 1, "iqr"))
+        timer = serving_export._rank0_timer()
+        write_result(out_dir, rank, [timer(None, None, 8)[0].value for _ in range(3)])
+
+
+@pytest.mark.slow
+def test_every_rank_takes_rank_zeros_serving_timings(tmp_path):
+    """The serving copies are evaluated on every rank: their FP8 choices must be rank 0's everywhere."""
+    from multirank import spawn_ranks
+
+    spawn_ranks(_replay_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[1.0] * 3, [1.0] * 3]
 

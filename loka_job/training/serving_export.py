@@ -112,16 +112,39 @@ def _served_copy(module: nn.Module) -> nn.Module:
 
 
 def serving_copies(
-    modules: Dict[str, nn.Module], input_scaling: str, probe: Optional[Any] = None
+    modules: Dict[str, nn.Module], input_scaling: str, probe: Optional[Any] = None, *, serving_rows: Optional[int] = None
 ) -> Dict[str, Tuple[nn.Module, InferenceReport]]:
     """Per module, its serving copy (:func:`loka_torchrec.inference_modules` on a copy) and the report;
-    ``probe`` (the run's ``ProbeCallback``, if any) gives static scales the layers' recorded input amaxes."""
+    ``probe`` (the run's ``ProbeCallback``, if any) gives static scales the layers' recorded input amaxes;
+    ``serving_rows``: FP8 only where the layer's forward is faster at that many rows, timed on rank 0
+    and replayed on the others (every rank serves the same model in the evaluation passes)."""
+    timer = _rank0_timer() if serving_rows is not None else None
     out = {}
     for name, module in modules.items():
         amaxes = probe.input_amaxes(module) if probe is not None else None  # named as in the copy
         served = _served_copy(module).eval()
-        out[name] = (served, inference_modules(served, input_scaling=input_scaling, input_amaxes=amaxes))
+        report = inference_modules(served, input_scaling=input_scaling, input_amaxes=amaxes, serving_rows=serving_rows, timer=timer)
+        out[name] = (served, report)
     return out
+
+
+def _rank0_timer():
+    """A serving timer that times on rank 0 and gives every other rank rank 0's times, call by call:
+    ``inference_modules`` times the same layers in the same order on every rank (one plan), so one
+    broadcast per call keeps the ranks' choices identical."""
+    import torch.distributed as dist
+
+    from loka_torchrec.inference_timing import time_serving_forward
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return time_serving_forward
+
+    def timer(fp8, layer, rows):
+        payload = [time_serving_forward(fp8, layer, rows) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    return timer
 
 
 def high_precision_copies(modules: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
@@ -206,6 +229,7 @@ def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], capture
             "exported": True, "file": path, "verified": verified, "input_scaling": input_scaling,
             "summary": report.summary(), "fp8": _named(name, report.fp8), "high_precision": _named(name, report.high_precision),
             "static_inputs": _named(name, report.static_inputs), "dynamic_inputs": _named(name, report.dynamic_inputs),
+            "timings": _named(name, report.timings),
             "batch": "dynamic" if fixed_because is None else batch,
             "checked_batches": [batch, max(batch // 2, 1)] if fixed_because is None else [batch],
         }  # fmt: skip

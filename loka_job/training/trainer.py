@@ -204,6 +204,9 @@ class TrainConfig:
             (:mod:`loka_job.training.serving_export`), to ``RUN_DIR/serving/``.
         serving_input_scaling: ``dynamic`` or ``static`` input scales of the exported FP8 layers
             (:func:`loka_torchrec.inference_modules`).
+        serving_rows: the rows of a serving batch (0: off). Given, each layer training runs in FP8 is
+            timed forward only at that many rows against high precision (rank 0; every rank takes its
+            verdicts) and is exported in FP8 only where it is faster there.
         require_verified_checkpoints: refuse to resume from a checkpoint file whose size and
             SHA-256 ``meta.json`` does not record (format 1); ``False``: load it with a warning
             naming it, after the checks that need no record (zip CRC-32s, keys, shapes, dtypes).
@@ -238,6 +241,7 @@ class TrainConfig:
     require_verified_checkpoints: bool = False
     export_serving: bool = False
     serving_input_scaling: str = "dynamic"
+    serving_rows: int = 0
 
     def __post_init__(self) -> None:
         from loka_torchrec.compile import COMPILE_MODES
@@ -270,6 +274,8 @@ class TrainConfig:
         timeout = self.peer_timeout_s
         if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout < 0:
             raise ValueError(f"train.peer_timeout_s: expected a number of seconds >= 0 (0: no watchdog), got {timeout!r}")
+        if type(self.serving_rows) is not int or self.serving_rows < 0:
+            raise ValueError(f"train.serving_rows: expected the rows of a serving batch, an int >= 0 (0: off), got {self.serving_rows!r}")
         if self.serving_input_scaling not in INPUT_SCALINGS:
             raise ValueError(
                 f"train.serving_input_scaling: expected one of {', '.join(INPUT_SCALINGS)}, got {self.serving_input_scaling!r}"
@@ -783,7 +789,8 @@ class Trainer:
         metrics, captured = self._eval_pass(capture=dense)
         if export:
             probe = self.loka.probe if self.loka is not None else None
-            served = serving_copies(dense, self.cfg.serving_input_scaling, probe)  # every rank: the passes below are collective
+            served = serving_copies(dense, self.cfg.serving_input_scaling, probe,  # every rank: the passes below are collective
+                                    serving_rows=self.cfg.serving_rows or None)  # fmt: skip
             if self.ctx.is_main:
                 self.serving = export_serving(served, captured, self.run_dir, input_scaling=self.cfg.serving_input_scaling)
             with torch.no_grad(), swapped(self.module.model, {name: copy_ for name, (copy_, _) in served.items()}):
