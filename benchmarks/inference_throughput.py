@@ -13,7 +13,9 @@ one process:
   activation scales, FP8 weights) on every ``nn.Linear``, compiled with CUDA graphs (CUDA only);
 * ``loka_export``, ``loka_export_compile``, ``loka_export_compile_cudagraphs``: LoKA's plan
   (``--plan``, the ``dispatch_plan.json`` of a training run, pinned; or ``--mode``, a static mode)
-  turned into the serving form by :func:`loka_torchrec.inference_modules`, eager / compiled.
+  turned into the serving form by :func:`loka_torchrec.inference_modules`, eager / compiled; with
+  ``--choose-at-batch``, one serving form per batch size, FP8 only where a layer's forward is faster
+  at that batch (``serving_rows``).
 
 Each run's logits are compared with eager bf16's on the same batch (SQNR, dB): what FP8 changes in
 the output. Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, one table).
@@ -33,7 +35,7 @@ import os
 import platform
 import statistics
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -63,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--plan", help="a dispatch_plan.json of a training run (pinned) for the loka_export runs")
     p.add_argument("--mode", help="a static dispatch mode (e.g. all:scaled_mm:rowwise) for the loka_export runs instead")
+    p.add_argument("--choose-at-batch", action="store_true",
+                   help="the loka_export runs keep a layer in FP8 only where its forward is faster at each batch size "
+                        "(inference_modules(serving_rows=batch): one serving model per batch size)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=50)
@@ -106,8 +111,9 @@ def build(preset: str, device: torch.device, dtype: torch.dtype) -> DensePart:
     return model.to(dtype).eval()
 
 
-def make(run: str, args, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The model of ``run``; raises ``RuntimeError`` with the reason where it cannot run here."""
+def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows: Optional[int] = None) -> nn.Module:
+    """The model of ``run`` (LoKA's serving form chosen at ``serving_rows``, where given); raises
+    ``RuntimeError`` with the reason where it cannot run here."""
     model = build(args.preset, device, dtype)
     if run.startswith("torchao"):
         if device.type != "cuda":
@@ -121,7 +127,7 @@ def make(run: str, args, device: torch.device, dtype: torch.dtype) -> nn.Module:
     if run.startswith("loka_"):
         dispatch = DispatchConfig(mode="pinned", plan_path=args.plan) if args.plan else DispatchConfig(mode=args.mode)
         loka_torchrec.apply(model, dispatch)
-        report = loka_torchrec.inference_modules(model)
+        report = loka_torchrec.inference_modules(model, serving_rows=serving_rows)
         print(f"[inference] {run}: {report.summary()}", flush=True)
         model.loka_report = report.summary()
     if run.endswith("_compile"):
@@ -172,6 +178,8 @@ def main(argv=None) -> int:
             print(f"[inference] {run}: skipped: {exc}", flush=True)
             continue
         for batch in args.batch_sizes:
+            if args.choose_at_batch and run.startswith("loka_"):
+                model = make(run, args, device, dtype, serving_rows=batch)  # FP8 where faster at this batch
             batch_inputs = inputs(args.preset, batch, device, dtype)
             with torch.inference_mode():
                 agreement = sqnr_db(model(*batch_inputs).double(), reference(*batch_inputs).double())

@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -161,6 +162,14 @@ def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_pa
     assert "| loka_export | 32 |" in (tmp_path / "inference.md").read_text()
     bad = subprocess.run([sys.executable, cmd[1], "--runs", "loka_export", "--out", str(out)], cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and "need --plan" in bad.stderr
+    # --choose-at-batch: one serving form per batch size, each layer in FP8 only where faster there
+    chosen = subprocess.run([sys.executable, cmd[1], "--preset", "small", "--batch-sizes", "16", "--runs", "loka_export", "--mode",
+                             "all:scaled_mm:rowwise", "--device", "cpu", "--choose-at-batch", "--reps", "2", "--warmup", "1", "--out",
+                             str(tmp_path / "chosen")], cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "chosen.json").read_text())["rows"]
+    assert row["batch"] == 16 and re.fullmatch(r"\d+/19 linear layers in FP8 for inference, \d+ in high precision.*", row["fp8"])
 
 
 def test_at_the_serving_rows_a_layer_stays_fp8_only_where_its_forward_is_faster():
