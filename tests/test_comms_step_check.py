@@ -167,12 +167,9 @@ def test_the_guard_collects_only_with_a_baseline_and_until_its_verdict():
 
 
 def _two_rank_check(rank, world, init_file, out_dir):
-    import os
+    from multirank import process_group, write_result
 
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         selection = CommsSelection()
         selection.set(CommsChoice("fp8", "fp8", world_size=world))
         checker = CommsStepChecker(selection, CommsStepCheck(block=2, rounds=1, settle=0, min_gain=0.0))
@@ -184,10 +181,7 @@ def _two_rank_check(rank, world, init_file, out_dir):
             # rank 0 alone would keep FP8 (5 < 6 ms); rank 1's FP8 step is slower (8 ms): the slowest rank counts
             ms = (5.0 if rank == 0 else 8.0) if fp8 else 6.0
             checker.observe(step, ms, ready=True)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(selection.choice.to_dict(), f)
-    finally:
-        dist.destroy_process_group()
+        write_result(out_dir, rank, selection.choice.to_dict())
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ plans, and the fastest is kept (or bf16)."""
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -229,20 +228,16 @@ def test_the_dispatcher_tries_the_best_ranked_rejects_between_the_two_ends(tmp_p
 
 
 def _ranked_worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
+    from multirank import process_group, write_result
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         mp = pytest.MonkeyPatch()
         model, d = _ranked_dispatcher(Path(out_dir) / f"run{rank}", mp)
         for step in range(1, 4):
             d.observe_step_time(step, 10.0)
         d.on_step_end(1)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"labels": d.trials.labels, "digests": [p.digest() for p in d.trials.candidates]}, f)
+        write_result(out_dir, rank, {"labels": d.trials.labels, "digests": [p.digest() for p in d.trials.candidates]})
         mp.undo()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

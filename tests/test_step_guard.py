@@ -5,13 +5,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import loka_torchrec
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.dispatch.step_guard import StepTimeGuard
-from multirank import spawn_ranks
+from multirank import process_group, spawn_ranks, write_result
 
 
 def _feed(guard, times, *, fp8, start=0):
@@ -98,8 +97,7 @@ def test_dispatcher_returns_every_gemm_to_bf16_when_the_step_got_slower(tmp_path
 
 
 def _guard_worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         model, d = _planned_model(os.path.join(out_dir, f"run{rank}"))
         model(torch.randn(16, 32)).sum().backward()
         for step in range(1, 5):
@@ -108,10 +106,7 @@ def _guard_worker(rank, world, init_file, out_dir):
         for step in range(5, 14):
             # rank 0 got faster, rank 1 slower: the slowest rank counts, on both ranks
             d.observe_step_time(step, 8.0 if rank == 0 else 12.0)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"reason": d.step_guard_reason, "fp8": d._runs_fp8()}, f)
-    finally:
-        dist.destroy_process_group()
+        write_result(out_dir, rank, {"reason": d.step_guard_reason, "fp8": d._runs_fp8()})
 
 
 @pytest.mark.slow

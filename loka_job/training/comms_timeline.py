@@ -51,7 +51,8 @@ def collective_kind(name: str) -> str:
 
 
 class PhaseRanges:
-    """The forward and backward ranges of the pipeline's steps (host times, microseconds).
+    """The forward and backward ranges of the pipeline's steps, and the FP8 all-reduce hook's ranges
+    (host times, microseconds): the phase of a launch, and the kind of a collective launched there.
 
     Args:
         ranges: ``(name, start_us, end_us)`` of the window's host-side ranges; those named as

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from loka_torchrec.comms.step_check import CommsStepCheck, StepCheckRun, StepCheckVerdict
+from loka_torchrec.comms.step_check import CommsStepCheck, StepCheckDriver, StepCheckRun
 
 __all__ = ["AllreduceSwitch", "DenseAllreduceCheck", "compressed_candidate", "install"]
 
@@ -53,7 +53,7 @@ def install(ddp_module, compressed: str) -> AllreduceSwitch:
     return switch
 
 
-class DenseAllreduceCheck:
+class DenseAllreduceCheck(StepCheckDriver):
     """Times the step with the compressed all-reduce and with fp32 and sets ``switch`` to the faster
     (see the module docstring).
 
@@ -66,18 +66,6 @@ class DenseAllreduceCheck:
     def __init__(self, switch: AllreduceSwitch, *, block: int = 10, process_group: Any = None) -> None:
         self.switch = switch
         self.run = StepCheckRun(CommsStepCheck(block=block), self._apply_arm, process_group)
-
-    @property
-    def check(self) -> CommsStepCheck:
-        return self.run.check
-
-    @property
-    def started(self) -> bool:
-        return self.run.started
-
-    @property
-    def verdict(self) -> Optional[StepCheckVerdict]:
-        return self.check.verdict
 
     def observe(self, step: int, step_ms: Optional[float], *, ready: bool) -> None:
         """The step that just ran took ``step_ms`` (``None``: not a timed step). Starts the check at

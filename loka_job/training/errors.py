@@ -81,6 +81,13 @@ def error_line(exc: BaseException) -> str:
     return f"error: {message} ({field})" if field else f"error: {message}"
 
 
+def exception_line(exc: BaseException, limit: int = 200) -> str:
+    """``<Type>: <first line of the message>`` (at most ``limit`` characters of it), or the type alone:
+    a failure named in one line of a log, a report or a JSON file."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:limit]}" if text else type(exc).__name__
+
+
 def peer_gone_error(exc: BaseException, *, rank: int) -> Optional[JobError]:
     """``exc`` as a :class:`JobError` if it is a collective that failed because a peer rank ended
     (its own error says why, on its own stderr), else ``None``. Printed by every rank that saw

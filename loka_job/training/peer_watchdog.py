@@ -34,6 +34,8 @@ import time
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
+from loka_job.training.errors import exception_line
+
 __all__ = ["END_OF_RUN", "SETTING_UP", "PeerWatchdog", "Progress"]
 
 logger = logging.getLogger("loka_job.train")
@@ -150,7 +152,7 @@ class PeerWatchdog:
             store.set(self._key(self.rank, "beat"), "0")
         except Exception as exc:  # no store to watch through: the job runs on, unwatched
             logger.warning("train.peer_timeout_s: the store at %s:%d cannot be reached (%s); peers are not watched",
-                           self.host, self.port, _first_line(exc))  # fmt: skip
+                           self.host, self.port, exception_line(exc))  # fmt: skip
             return
         published = SETTING_UP
         snapshot: Optional[Dict[int, Progress]] = None
@@ -197,7 +199,7 @@ class PeerWatchdog:
                 where = describe_progress(self._step, waiting=True)
                 self.on_timeout(
                     f"this rank ({self.rank}) has waited {self.timeout_s:g} s {where} and the store at {self.host}:{self.port} "
-                    f"does not answer ({_first_line(exc)}): its host (rank 0 or torchrun) may be stopped or hung",
+                    f"does not answer ({exception_line(exc)}): its host (rank 0 or torchrun) may be stopped or hung",
                     [],
                 )
             return None
@@ -223,8 +225,3 @@ class PeerWatchdog:
             f"rank(s) {ranks} did not arrive within train.peer_timeout_s={self.timeout_s:g} ({why}); this rank "
             f"({self.rank}) waited {waited_s:.0f} s {describe_progress(step, waiting=True)}"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__

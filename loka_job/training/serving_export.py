@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from loka_job.training.errors import exception_line
 from loka_torchrec.atomic_files import atomic_file, write_text_atomic
 from loka_torchrec.json_values import to_jsonable
 from loka_torchrec.inference import InferenceReport, export_program, inference_modules
@@ -180,10 +181,6 @@ def _save_tensor_file(path: str, value: Any) -> None:
         torch.save(value, f)
 
 
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-
-
 def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], captured: Dict[str, Tuple[Any, ...]], run_dir: str, *,
                    input_scaling: str = "dynamic") -> Dict[str, Any]:  # fmt: skip
     """Export each serving copy of ``served`` (:func:`serving_copies`) with its ``captured`` inputs
@@ -209,7 +206,7 @@ def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], capture
                 try:
                     program = export_program(module, args, tmp, dynamic_batch=True)
                 except Exception as exc:  # noqa: BLE001 - a model that specializes on its batch: export it fixed
-                    fixed_because = _first_line(exc)
+                    fixed_because = exception_line(exc, 300)
                     program = export_program(module, args, tmp, dynamic_batch=False)
                 expected = module(*args)
                 got = program.module()(*args)
@@ -217,7 +214,7 @@ def export_serving(served: Dict[str, Tuple[nn.Module, InferenceReport]], capture
                 verified_half = fixed_because is not None or bool(torch.equal(program.module()(*half), module(*half)))
             os.replace(tmp, path)
         except Exception as exc:  # an export failure is this module's, reported; training's results stand
-            entries[name] = {"exported": False, "reason": _first_line(exc)}
+            entries[name] = {"exported": False, "reason": exception_line(exc, 300)}
             continue
         finally:
             if os.path.exists(tmp):

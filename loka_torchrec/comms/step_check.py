@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from loka_torchrec.comms.choice import CommsChoice, CommsSelection
 from loka_torchrec.comms.ranks import max_over_ranks
 
-__all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckRun", "StepCheckVerdict", "agreed_medians"]
+__all__ = ["ARMS", "CommsStepCheck", "CommsStepChecker", "StepCheckDriver", "StepCheckRun", "StepCheckVerdict", "agreed_medians"]
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,29 @@ class StepCheckRun:
             self.apply_arm(self.check.arm)
 
 
-class CommsStepChecker:
+class StepCheckDriver:
+    """What a step check shows, read from the :class:`StepCheckRun` it drives (``self.run``)."""
+
+    run: StepCheckRun
+
+    @property
+    def check(self) -> CommsStepCheck:
+        return self.run.check
+
+    @property
+    def started(self) -> bool:
+        return self.run.started
+
+    @property
+    def running(self) -> bool:
+        return self.run.running
+
+    @property
+    def verdict(self) -> Optional[StepCheckVerdict]:
+        return self.check.verdict
+
+
+class CommsStepChecker(StepCheckDriver):
     """Runs a :class:`CommsStepCheck` of the choice in ``selection`` (see the module docstring).
 
     Args:
@@ -218,18 +240,6 @@ class CommsStepChecker:
         if choice is None or block == 0 or choice.world_size == 1 or choice.step_check:
             return False
         return any(getattr(choice, d) != "fp32" for d in choice.decided)
-
-    @property
-    def check(self) -> CommsStepCheck:
-        return self.run.check
-
-    @property
-    def started(self) -> bool:
-        return self.run.started
-
-    @property
-    def running(self) -> bool:
-        return self.run.running
 
     def observe(self, step: int, step_ms: float, *, ready: bool) -> bool:
         """The step that just ran took ``step_ms``. Starts the check at the first step when
