@@ -102,7 +102,7 @@ GEMM ran 2x faster, and the section "Where the step goes" gives per run and seed
 step, the shares of GEMMs (bf16 + fp8), FP8 quantization, embeddings, communication and the
 rest, and the device's idle share (``loka_job/training/profiling.py``). Put the window
 after ``--window-start`` (steady state: compiled, CUDA graphs recorded, the plan made), e.g.
-``--steps 300 --probe-warmup 100 --profile-start 290 --profile-steps 5``.
+``--steps 400 --probe-warmup 100 --profile-start 390 --profile-steps 5``.
 
 On CUDA, ``nvidia-smi`` samples the GPU's SM clock, power and temperature every 200 ms during every
 run (``gpu_samples.csv`` in its run folder); the section "The GPU during the timed steps" gives the
@@ -294,6 +294,17 @@ def comms_check_steps() -> int:
     return CommsStepCheck(block=CommsConfig().step_check_steps).total_steps
 
 
+def plan_trial_steps() -> int:
+    """Steps the plan trials take at their defaults, at most (:mod:`loka_torchrec.dispatch.plan_trials`):
+    one step-time guard window (settling steps, then timed steps) for each candidate plan, the
+    layer-checked, the ranked and the accuracy-gated one."""
+    from loka_torchrec.dispatch.config import DispatchConfig
+    from loka_torchrec.dispatch.step_guard import StepTimeGuard
+
+    config, guard = DispatchConfig(), StepTimeGuard()
+    return (guard.settle + config.step_guard_window) * (2 + config.ranked_trials)
+
+
 def probes(spec: RunSpec) -> bool:
     """Whether the run learns with the Probe (and plans at the end of its warm-up)."""
     return "loka.probe.enabled=true" in spec.overrides
@@ -357,10 +368,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--window-start",
         type=int,
         default=None,
-        help="steps after this one are timed (default: the larger of steps/2 and the probe warm-up + 80, for every "
-        "run so that invocations compare: a loka run's plan, then the step-time guard's 5 settling and 50 compared "
-        "steps, come first; with several ranks also the comms step check's steps; without loka runs, steps/2 where "
-        "that would not fit)",
+        help="steps after this one are timed (default: the larger of steps/2 and the probe warm-up + 190, for every "
+        "run so that invocations compare: a loka run's plan, then its plan trials (5 settling and 50 timed steps "
+        "for each of up to 3 candidate plans), come first; with several ranks also the comms step check's steps; "
+        "without loka runs, steps/2 where that would not fit)",
     )
     p.add_argument("--probe-warmup", type=int, default=200, help="loka.probe.warmup_steps of the loka run (steps)")
     p.add_argument(
@@ -418,16 +429,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--nproc: must be >= 1, got {args.nproc}")
     has_loka = any(probes(run_spec(r)) for r in args.runs)
     if args.window_start is None:
-        # After the loka runs' plan (end of the probe's warm-up) and the step-time guard's verdict
-        # (5 + 50 steps later), whichever runs are listed: invocations with the same --steps and
-        # --probe-warmup time the same steps, so their tables compare. Without loka runs, a
-        # window that would not fit falls back to the second half.
+        # After the loka runs' plan (end of the probe's warm-up) and the plan trials' verdict (one
+        # step-time guard window per candidate plan), whichever runs are listed: invocations with
+        # the same --steps and --probe-warmup time the same steps, so their tables compare. Without
+        # loka runs, a window that would not fit falls back to the second half.
         checks = 0
         if args.nproc > 1:  # LoKA's comms check, then the dense all-reduce's where a run has one
             checks = comms_check_steps() * (1 + any("train.dense_allreduce=auto" in run_spec(r).overrides for r in args.runs))
-        args.window_start = max(args.steps // 2, args.probe_warmup + 80 + checks)
+        args.window_start = max(args.steps // 2, args.probe_warmup + plan_trial_steps() + 25 + checks)
         if args.window_start >= args.steps and not has_loka:
             args.window_start = args.steps // 2
+        elif args.window_start >= args.steps:
+            p.error(
+                f"--steps={args.steps}: the loka runs' timed window starts at step {args.window_start + 1}, after "
+                f"the probe's warm-up ({args.probe_warmup}) and the plan trials (up to {plan_trial_steps()} steps); "
+                f"give --steps > {args.window_start}, or a smaller --probe-warmup"
+            )
     if not 0 < args.window_start < args.steps:
         p.error(f"--window-start: must be in [1, --steps={args.steps}), got {args.window_start}")
     if has_loka and args.window_start <= args.probe_warmup:

@@ -130,6 +130,7 @@ def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows:
         report = loka_torchrec.inference_modules(model, serving_rows=serving_rows)
         print(f"[inference] {run}: {report.summary()}", flush=True)
         model.loka_report = report.summary()
+        model.loka_timings = report.timings  # per layer at serving_rows: FP8 and high-precision forward ms
     if run.endswith("_compile"):
         return torch.compile(model, mode="default")
     if run.endswith("_compile_cudagraphs") or run.startswith("torchao"):
@@ -184,8 +185,11 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 agreement = sqnr_db(model(*batch_inputs).double(), reference(*batch_inputs).double())
             row = {"run": run, "status": "ok", "batch": batch, "sqnr_vs_bf16_db": agreement, **measure(model, batch_inputs, args, device)}
-            if getattr(model, "loka_report", None) or getattr(getattr(model, "_orig_mod", None), "loka_report", None):
-                row["fp8"] = getattr(model, "loka_report", None) or model._orig_mod.loka_report
+            served = getattr(model, "_orig_mod", model)
+            if getattr(served, "loka_report", None):
+                row["fp8"] = served.loka_report
+            if getattr(served, "loka_timings", None):
+                row["serving_timings"] = served.loka_timings
             rows.append(row)
             print(f"[inference] {run} batch {batch}: {row['median_ms']:.3f} ms, {row['rows_per_s']:.0f} rows/s, "
                   f"{agreement:.1f} dB vs bf16", flush=True)  # fmt: skip
@@ -219,6 +223,18 @@ def markdown(meta: Dict[str, object], rows: List[Dict[str, object]]) -> str:
         ratio = best[r["batch"]] / r["median_ms"] if r["batch"] in best else float("nan")
         lines.append(f"| {r['run']} | {r['batch']} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | {r['rows_per_s']:.0f} "
                      f"| {ratio:.3f}x | {r['sqnr_vs_bf16_db']:.1f} | {r.get('fp8', '')} |")  # fmt: skip
+    timed = [r for r in rows if r.get("serving_timings")]
+    if timed:
+        lines += ["", "## What `serving_rows` timed", "",
+                  "Each FP8 layer's forward alone at the batch's rows, FP8 against high precision (ms; one line per layer shape):", "",
+                  "| run | batch | layer (first of its shape) | FP8 ms | high precision ms |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in timed:
+            seen = set()
+            for layer, t in r["serving_timings"].items():
+                key = (t["fp8_ms"], t["high_precision_ms"])
+                if key not in seen:
+                    seen.add(key)
+                    lines.append(f"| {r['run']} | {r['batch']} | {layer} | {t['fp8_ms']:.4g} | {t['high_precision_ms']:.4g} |")
     return "\n".join(lines) + "\n"
 
 

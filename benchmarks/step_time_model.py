@@ -101,6 +101,9 @@ class Payload:
         data = make_data(data_cfg, rank=0, world_size=1, seed=0)
         model = build_model(model_cfg.pop("name"), model_cfg, data.spec, torch.device("meta"))
         params = sum(p.numel() for name in dense_modules(model) for p in model.get_submodule(name).parameters())
+        if "num_tables" not in data_cfg:
+            raise ValueError(f"recipe {recipe}: its data is {data_cfg.get('kind', '?')} features, without num_tables; "
+                             "the model sizes the all-to-all of pooled-embedding recipes only")  # fmt: skip
         embeddings = float(data_cfg["batch_size"] * data_cfg["num_tables"] * data_cfg["embedding_dim"] * FP32_BYTES)
         return cls(recipe, embeddings, float(params * FP32_BYTES), int(params))
 

@@ -40,7 +40,7 @@ except ImportError:  # no TorchRec: nothing to wait for
 
 __all__ = [
     "COMPILE_MODES",
-    "STATIC_SHAPES_RECOMPILE_LIMIT",
+    "RECOMPILE_LIMIT",
     "compile_dense",
     "cuda_graph_stats",
     "dense_modules",
@@ -133,9 +133,10 @@ def compile_dense(
             unless the model says that its dense inputs come in a few fixed shapes (a true
             ``compile_static_shapes`` attribute, as a model that pads jagged tokens to buckets
             sets): then ``False``, each shape compiled once, statically, so that
-            ``reduce-overhead`` records CUDA graphs for it, and Dynamo's per-module recompile
-            limit raised to :data:`STATIC_SHAPES_RECOMPILE_LIMIT` to hold a graph per shape for
-            training and for evaluation.
+            ``reduce-overhead`` records CUDA graphs for it.
+
+    Dynamo's per-module recompile limit is raised to :data:`RECOMPILE_LIMIT` (a graph per kernel set
+    the layers run, per shape, for training and for evaluation).
 
     Raises:
         ValueError: an unknown mode or submodule name.
@@ -143,9 +144,9 @@ def compile_dense(
     if mode not in COMPILE_MODES[2:]:
         raise ValueError(f"compile_dense: mode must be one of {', '.join(COMPILE_MODES[2:])}, got {mode!r}")
     names = list(modules) or dense_modules(model)
+    _raise_recompile_limit(RECOMPILE_LIMIT)
     if dynamic is None and wants_static_shapes(model):
         dynamic = False
-        _raise_recompile_limit(STATIC_SHAPES_RECOMPILE_LIMIT)
     for name in names:
         try:
             module = model.get_submodule(name)
@@ -169,17 +170,19 @@ def wants_static_shapes(model: nn.Module) -> bool:
     return bool(getattr(model, "compile_static_shapes", False))
 
 
-STATIC_SHAPES_RECOMPILE_LIMIT = 32
-"""Graphs Dynamo keeps per compiled module when shapes are static: a few token buckets, each for
-training and evaluation, and once more after a new plan (the default limit, 8, would send the
-module back to eager mode after that)."""
+RECOMPILE_LIMIT = 64
+"""Graphs Dynamo keeps per compiled module; past its limit it runs the module eagerly, much slower
+than compiled, for every new set of guards. Each set of kernels LoKA's layers run is a graph of its
+own, for training and for evaluation: the plan trials' candidates one after the other, each set the
+safety valve's holds and readmissions leave, the step-time guard's bf16; static shapes add one per
+token bucket. Dynamo's default (8) is reached by a run with a few of each."""
 
 
 def _raise_recompile_limit(limit: int) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) < limit:
-        logger.info("torch._dynamo.config.%s raised to %d (static shapes compile once per shape)", name, limit)
+        logger.info("torch._dynamo.config.%s raised to %d (a graph per kernel set and shape)", name, limit)
         setattr(config, name, limit)
 
 

@@ -8,7 +8,8 @@
 #                                     RUNS, steady-state steps profiled; tables and plots in $OUT,
 #                                     the runs' own files (plans, summaries, logs) in one tarball
 #   dense NAME PRESET PLAN [RUNS]     benchmarks/dense_part_step.py: the DHEN dense part's fwd+bwd,
-#                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json) compiled;
+#                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json, or a static
+#                                     mode such as all:scaled_mm:tensorwise) compiled;
 #                                     RUNS: comma-separated (default: all of the script's runs)
 #   inference NAME PRESET PLAN [RUNS] benchmarks/inference_throughput.py: the DHEN dense part forward only, bf16 /
 #                                     torchao float8 inference / LoKA's serving form of PLAN (a dispatch_plan.json,
@@ -24,7 +25,8 @@
 # e2e run, default 1: one per GPU of a multi-GPU machine; over NVLink as the machine is, or with
 # NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 over sockets), E2E_OVERRIDES
 # (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"), DENSE_ARGS
-# (more arguments of dense_part_step.py, e.g. "--top-kernels 400"),
+# (more arguments of dense_part_step.py, e.g. "--top-kernels 400"), INFERENCE_ARGS (more arguments of
+# inference_throughput.py, e.g. "--choose-at-batch"),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +38,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # one job per GPU must not take ev
 stage=${1:?usage: device_benchmarks.sh gpu_tests [FILES] | e2e NAME RECIPES SEEDS RUNS | dense NAME PRESET PLAN [RUNS] | inference NAME PRESET PLAN [RUNS] | job NAME OVERRIDE...}
 DEADLINE=$(( ${CALL_T0:-$(date +%s)} + ${STAGE_DEADLINE_S:-570} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
+if [ "$(left)" -lt 40 ]; then  # a stage chained after others: too little of the call is left to start it
+  echo "=== $1: skipped, $(left) s left before the call's deadline (CALL_T0 + STAGE_DEADLINE_S)"
+  exit 3
+fi
 WORK=$(mktemp -d /tmp/loka-bench.XXXXXX)
 STEPS=${E2E_STEPS:-300}
 WARMUP=${E2E_PROBE_WARMUP:-100}
@@ -68,7 +74,8 @@ case $stage in
     ;;
   dense)
     name=${2:?dense NAME PRESET PLAN [RUNS]}; preset=${3:?}; plan=${4:?}; runs=${5:-}
-    timeout $(( $(left) - 10 )) python3 -P benchmarks/dense_part_step.py --preset "$preset" --plan "$plan" \
+    if [ -f "$plan" ]; then source_arg=(--plan "$plan"); else source_arg=(--mode "$plan"); fi
+    timeout $(( $(left) - 10 )) python3 -P benchmarks/dense_part_step.py --preset "$preset" "${source_arg[@]}" \
       ${runs:+--runs "$runs"} ${DENSE_ARGS:-} --out "$OUT/$name" > "$WORK/$name.log" 2>&1
     echo "=== dense $name: rc=$?"
     grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
@@ -78,7 +85,8 @@ case $stage in
     name=${2:?inference NAME PRESET PLAN [RUNS]}; preset=${3:?}; plan=${4:?}; runs=${5:-}
     if [ -f "$plan" ]; then source_arg=(--plan "$plan"); else source_arg=(--mode "$plan"); fi
     timeout $(( $(left) - 10 )) python3 -P benchmarks/inference_throughput.py --preset "$preset" "${source_arg[@]}" \
-      --batch-sizes "${INFERENCE_BATCHES:-512,2048,8192}" ${runs:+--runs "$runs"} --out "$OUT/$name" > "$WORK/$name.log" 2>&1
+      --batch-sizes "${INFERENCE_BATCHES:-512,2048,8192}" ${runs:+--runs "$runs"} ${INFERENCE_ARGS:-} --out "$OUT/$name" \
+      > "$WORK/$name.log" 2>&1
     echo "=== inference $name: rc=$?"
     grep -v "fbgemm_torch_compat\|cannot determine\|WARNING:root\|\[33m\|\[0m\|^\s*$" "$WORK/$name.log" | tail -n 30
     cp "$WORK/$name.log" "$OUT/$name.log"

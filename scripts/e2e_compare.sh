@@ -4,8 +4,8 @@
 # training job per recipe x run x seed; speed-ups are over the faster bf16 compile mode. Arguments
 # go to the driver (see its --help), e.g. on one H100, two recipes, profiling 5 steady-state steps:
 #
-#     scripts/e2e_compare.sh --nproc 1 --recipes dhen_large,dhen_xl --seeds 0,1 --steps 300 \
-#         --probe-warmup 100 --profile-start 290 --profile-steps 5 --max-seconds 3000
+#     scripts/e2e_compare.sh --nproc 1 --recipes dhen_large,dhen_xl --seeds 0,1 --steps 400 \
+#         --probe-warmup 100 --profile-start 390 --profile-steps 5 --max-seconds 3000
 #
 # Writes <date>-e2e.json/.md/.png to $OUT (default benchmarks/results). Where the project is not
 # installed (e.g. a GPU image with only torch/torchrec), it is put on PYTHONPATH as installed:

@@ -49,11 +49,15 @@ mp.set_forkserver_preload(["torch", "torch.distributed", "pytest", "loka_torchre
                            "loka_job.training.data", "loka_job.training.trainer"])  # fmt: skip
 
 
-def spawn_ranks(fn: Callable, args: Sequence, nprocs: int) -> None:
+def spawn_ranks(fn: Callable, args: Sequence, nprocs: int, cuda: bool = False) -> None:
     """``mp.spawn(fn, args=args, nprocs=nprocs, join=True)`` with the ``forkserver`` start method,
     each rank ending with ``exit_process(0)`` once ``fn(rank, *args)`` has returned; an exception
-    in ``fn`` reaches ``mp.spawn`` (and the test) as before."""
-    mp.start_processes(_rank, args=(fn, tuple(args)), nprocs=nprocs, join=True, start_method="forkserver")
+    in ``fn`` reaches ``mp.spawn`` (and the test) as before.
+
+    ``cuda=True``: ranks that use a GPU are spawned instead. On a GPU machine the server's imports
+    (FBGEMM's among them) initialize CUDA, and a process forked from it cannot use CUDA again."""
+    start_method = "spawn" if cuda else "forkserver"
+    mp.start_processes(_rank, args=(fn, tuple(args)), nprocs=nprocs, join=True, start_method=start_method)
 
 
 def _rank(rank: int, fn: Callable, args: tuple) -> None:

@@ -146,6 +146,32 @@ def test_a_new_plan_recompiles_once_and_runs_the_new_kernels():
     assert not torch.equal(y_bf16, y_fp8)  # the FP8 kernels really run after the re-plan
 
 
+def test_a_dozen_kernel_sets_each_compile_and_none_runs_eagerly():
+    """Plan trials, safety-valve holds and readmissions each leave another set of kernels, each a graph
+    of its own: past Dynamo's default limit of 8 the module would run eagerly (``fullgraph`` makes that
+    an error here). Every set compiles, and a set seen before runs its graph again."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=8):  # Dynamo's default: compile_dense raises it
+        model = nn.ModuleDict({"over_arch": _mlp((16, 16, 16, 16, 16, 16, 8))})
+        layers = loka_torchrec.apply(model, DispatchConfig(mode="all-bf16")).dispatcher.managed_layers()
+        compile_dense(model, "default", fullgraph=True)
+        names = sorted(layers)
+        x = torch.randn(16, 16)
+        outputs = {}
+        sets = [names[:k] for k in range(len(names) + 1)] + [names[k:] for k in range(1, len(names))]
+        for fp8 in [*sets, sets[2], sets[0]]:
+            for name, layer in layers.items():
+                layer.set_kernels(LayerKernels.uniform(ROWWISE) if name in fp8 else LayerKernels())
+            with torch.no_grad():
+                y = model["over_arch"](x)
+            if tuple(fp8) in outputs:
+                torch.testing.assert_close(y, outputs[tuple(fp8)], rtol=0, atol=0)  # its own graph again
+            outputs[tuple(fp8)] = y
+        assert len(sets) > 8 and counters["stats"]["unique_graphs"] == len(sets)
+    torch._dynamo.reset()
+
+
 def test_nonfinite_operands_are_counted_inside_the_graph():
     layer = loka_torchrec.LokaLinear(16, 8, kernels=LayerKernels.uniform(ROWWISE))
     compiled = torch.compile(layer, fullgraph=True)

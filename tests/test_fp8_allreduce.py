@@ -62,7 +62,7 @@ def _worker(rank, world, init_file, out_dir, nan, backend="gloo"):
 
 
 def _run(tmp_path, nan=False, backend="gloo"):
-    spawn_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path), nan, backend), nprocs=2)
+    spawn_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path), nan, backend), nprocs=2, cuda=backend == "nccl")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -170,6 +170,9 @@ def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_pa
     assert chosen.returncode == 0, chosen.stderr[-3000:]
     (row,) = json.loads((tmp_path / "chosen.json").read_text())["rows"]
     assert row["batch"] == 16 and re.fullmatch(r"\d+/19 linear layers in FP8 for inference, \d+ in high precision.*", row["fp8"])
+    timings = row["serving_timings"]  # what the choice was made from, per layer, in the JSON and the report
+    assert len(timings) == 19 and all(t["rows"] == 16 and t["fp8_ms"] > 0 and t["high_precision_ms"] > 0 for t in timings.values())
+    assert "## What `serving_rows` timed" in (tmp_path / "chosen.md").read_text()
 
 
 def test_at_the_serving_rows_a_layer_stays_fp8_only_where_its_forward_is_faster():

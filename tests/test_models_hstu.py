@@ -244,7 +244,7 @@ def test_with_a_token_bucket_the_dense_part_compiles_once_per_bucket_with_static
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from loka_torchrec.compile import STATIC_SHAPES_RECOMPILE_LIMIT, compile_dense
+    from loka_torchrec.compile import RECOMPILE_LIMIT, compile_dense
 
     torch._dynamo.reset()
     counters.clear()
@@ -255,7 +255,7 @@ def test_with_a_token_bucket_the_dense_part_compiles_once_per_bucket_with_static
             model = build_hstu(config, _spec(), CPU, embedding_device=CPU)
             names = compile_dense(model, "default")
             assert names == ["over_arch.layers.0", "over_arch.final_norm", "over_arch.dense_arch", "over_arch.head"]
-            assert torch._dynamo.config.recompile_limit >= STATIC_SHAPES_RECOMPILE_LIMIT
+            assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
             histories = {3: [[1, 2], [3]], 5: [[1, 2, 3], [4, 5]], 9: [[1, 2, 3, 4, 5, 6], [7, 8, 9]], 4: [[1], [2, 3, 4]]}
             with torch.no_grad():  # Dynamo's graphs are the same with a backward; Inductor's work is a third
                 for total in (3, 5, 9, 4, 5, 9):  # buckets 4, 8, 12, then each again

@@ -150,6 +150,16 @@ def test_valve_and_guard_take_fp8_back_in_force_not_in_plan(loka_run, tmp_path, 
     body = _table(out)
     assert all("bf16 (valve)" in line for line in body[3:]) and not any("valve" in line for line in body[:3])
     assert "act amax_jump: 99" in body[3]
+    # a verdict on a layer the valve readmitted sends back that layer alone, held by the guard
+    _add_events(run, {"event": "readmit", "step": 40, "layer": "2"},
+                {"event": "step_guard", "step": 60, "bf16_ms": 10.0, "fp8_ms": 11.0, "keep_fp8": False, "readmitted": ["2"]},
+                {"event": "fallback", "step": 60, "layer": "2", "reason": "step-time guard: readmitting made the step slower"})
+    out = _view(run, capsys, monkeypatch)
+    assert "FP8 GEMMs: 6/6 planned, 3/6 in force" in out
+    assert "step-time guard (step 60): sent the 1 layer(s) the safety valve readmitted back to bf16" in out
+    valve = next(line for line in out.splitlines() if "safety valve:" in line)
+    assert "safety valve: holds no layer" in valve and "the step-time guard holds 1 readmitted layer(s): 2" in valve, valve
+    assert all("bf16 (guard)" in line for line in _table(out)[3:])
     _add_events(run, {"event": "step_guard", "step": 70, "bf16_ms": 10.0, "fp8_ms": 12.5, "keep_fp8": False})
     out = _view(run, capsys, monkeypatch)
     assert "FP8 GEMMs: 6/6 planned, 0/6 in force" in out

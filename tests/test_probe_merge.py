@@ -79,7 +79,7 @@ def _merge_worker(rank: int, init_file: str, backend: str) -> None:
 
 def _spawn(backend: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        spawn_ranks(_merge_worker, (os.path.join(tmp, "store"), backend), nprocs=WORLD)
+        spawn_ranks(_merge_worker, (os.path.join(tmp, "store"), backend), nprocs=WORLD, cuda=backend == "nccl")
 
 
 @pytest.mark.slow

@@ -171,3 +171,55 @@ def _saved(tmp_path, state):
     path = tmp_path / "state.pt"
     torch.save(state, path)
     return path
+
+
+def _judged(tmp_path, fp8_ms=9.0):
+    """A planned model whose FP8 plan the guard judged (bf16 10 ms before the plan, FP8 ``fp8_ms``)."""
+    model, d = _planned_model(tmp_path)
+    model(torch.randn(64, 32)).sum().backward()
+    for step in range(1, 5):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    assert [v for v in (d.observe_step_time(step, fp8_ms) for step in range(5, 14)) if v is not None][0].keep_fp8
+    return d
+
+
+@pytest.mark.parametrize("readmitted_ms, kept", [(12.0, False), (9.5, True)])
+def test_a_layer_readmitted_after_the_verdict_is_timed_again(tmp_path, readmitted_ms, kept):
+    """The valve's readmission after the guard's verdict puts a set of FP8 layers in force that no window
+    timed: it is timed (one window against the same bf16 steps), and the readmitted layer goes back to
+    bf16 for good if the step is slower with it; the rest of the plan stays."""
+    d = _judged(tmp_path)
+    d.fallback("2", "amax jumped", step=14)
+    assert not d.judging_step_times  # fewer FP8 layers: nothing to time
+    d.readmit("2", step=15)
+    assert d.judging_step_times and not d.managed_layers()["2"].kernels.all_high_precision
+    state = d.state_dict()  # a checkpoint in the middle of the window: it goes on after resume
+    _, d = _fresh_model(tmp_path / "resumed")
+    d.load_state_dict(state)
+    (verdict,) = [v for v in (d.observe_step_time(step, readmitted_ms) for step in range(16, 25)) if v is not None]
+    assert verdict.keep_fp8 is kept and d.step_guard_reason is None  # the plan judged before stays either way
+    layers = d.managed_layers()
+    assert not layers["0"].kernels.all_high_precision
+    assert layers["2"].kernels.all_high_precision is not kept
+    (event,) = [e for e in d.events if e["event"] == "step_guard" and e["step"] == 24]
+    assert event["readmitted"] == ["2"] and event["keep_fp8"] is kept
+    if not kept:
+        assert d.fallen_back["2"] == "step-time guard: readmitting made the step slower (12.00 ms against 10.00 ms in bf16)"
+        assert "the step-time guard holds 1 readmitted layer(s) in bf16" in d.summary()
+        assert "2" not in d.guarded_layers()  # the valve no longer watches it ...
+        d.readmit("2", step=40)  # ... nor readmits it
+        assert layers["2"].kernels.all_high_precision and not d.judging_step_times
+
+
+def test_a_valve_change_during_a_window_times_the_window_anew(tmp_path):
+    model, d = _planned_model(tmp_path)
+    model(torch.randn(64, 32)).sum().backward()
+    for step in range(1, 5):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    for step in range(5, 12):  # 5 settling steps, then 2 of the 4 timed ones, slow
+        assert d.observe_step_time(step, 30.0) is None
+    d.fallback("2", "amax jumped", step=12)  # another set of FP8 layers from here: its own window
+    verdicts = [d.observe_step_time(step, 9.0) for step in range(12, 21)]
+    assert verdicts[:-1] == [None] * 8 and verdicts[-1].keep_fp8 and verdicts[-1].fp8_ms == 9.0

@@ -154,3 +154,8 @@ def test_payload_of_a_recipe_counts_its_pooled_embeddings_and_dense_parameters()
     # recipes/data/pooled.yaml: batch 256 per rank, 8 tables of dim 64, fp32
     assert payload.embeddings == 256 * 8 * 64 * 4
     assert payload.dense_params > 0 and payload.gradients == 4 * payload.dense_params
+
+
+def test_a_recipe_of_sequence_features_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="recipe hstu: its data is sequence features, without num_tables"):
+        stm.Payload.of("hstu")

@@ -29,7 +29,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ from loka_torchrec.dispatch.config import DispatchConfig
 from loka_torchrec.dispatch.grad_check import check_plan_gradients
 from loka_torchrec.dispatch.layer_check import check_plan_layers
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.dispatch.plan import DispatchPlan, InForce, LayerPlan, RoleDecision
+from loka_torchrec.dispatch.plan import GUARD_HOLD, DispatchPlan, InForce, LayerPlan, RoleDecision
 from loka_torchrec.dispatch.plan_ranks import PlanMismatchError, PlanRanks
 from loka_torchrec.dispatch.policy import decide, share_quantizations
 from loka_torchrec.dispatch.reach import SiteReach
@@ -93,6 +93,7 @@ class Dispatcher(EvidenceConsumer):
         self._fallen_back: Dict[str, str] = {}
         self._guard = StepTimeGuard(config.step_guard_window, config.step_guard_tolerance)
         self._trials: Optional[PlanTrials] = None  # candidate plans the compiled step judges (plan_trials)
+        self._readmitted: Set[str] = set()  # layers the valve readmitted since the guard's last verdict
         self.seconds = {"decide": 0.0, "layer_check": 0.0}  # host seconds spent planning, on this rank
         self.step_guard_reason: Optional[str] = None  # set when the guard sent every GEMM back to bf16
         self.events: List[dict] = []
@@ -179,6 +180,7 @@ class Dispatcher(EvidenceConsumer):
             self._trials = PlanTrials.of(labelled)
         plan = self.plan = labelled[0][1]
         self._guard.restart()
+        self._readmitted = set()
         self._apply(plan)
         self._verify_identical()
         self._record({"event": "replan", "step": step, "source": source, "digest": plan.digest(), "summary": plan.summary(self.in_force())})
@@ -270,26 +272,41 @@ class Dispatcher(EvidenceConsumer):
         self._fallen_back[layer] = reason
         self._layers[layer].set_kernels(LayerKernels())
         self._fp8_running = self._runs_fp8()
+        self._readmitted.discard(layer)
+        if self._guard.collecting:  # the window under way timed another set of FP8 layers: time it anew
+            self._guard.restart()
         self._record({"event": "fallback", "step": step, "layer": layer, "reason": reason})
         self._save_plan()
         self._announce(f"safety valve sent layer {layer} back to bf16 at step {step}: {reason}")
 
     def readmit(self, layer: str, *, step: int) -> None:
+        """The safety valve returns ``layer`` to its planned kernels. Where the step-time guard has
+        judged the plan already, the step is timed again with the layer back (a window against the
+        same baseline), and the layer goes back to bf16 for good if that step is slower: the valve
+        watches accuracy, and a set of FP8 layers the guard never timed must not slow the run down.
+        A layer the guard holds this way is not the valve's to readmit."""
+        if self._fallen_back.get(layer, "").startswith(GUARD_HOLD):
+            return
         if self._fallen_back.pop(layer, None) is None:
             return
         if layer in self.plan.layers and self.step_guard_reason is None:
             self._layers[layer].set_kernels(self.plan.layers[layer].kernels)
             self._fp8_running = self._runs_fp8()
+            if not self._layers[layer].kernels.all_high_precision and (self._guard.collecting or self._guard.decided):
+                if self._guard.decided and (self._trials is None or self._trials.done):
+                    self._readmitted.add(layer)  # judged again: a window with the layer back
+                self._guard.restart()  # (a window under way starts over)
         self._record({"event": "readmit", "step": step, "layer": layer})
         self._save_plan()
         self._announce(f"safety valve readmitted layer {layer} to its planned kernels at step {step}")
 
     def guarded_layers(self) -> List[str]:
         """The layers whose GEMMs run FP8 now, and those sent back to bf16 whose plan has FP8 to
-        return to (none once the step-time guard turned FP8 off): what the safety valve watches."""
+        return to (none once the step-time guard turned FP8 off or holds them): what the safety valve watches."""
         waiting = set()
         if self.step_guard_reason is None:
-            waiting = {n for n in self._fallen_back if n in self.plan.layers and not self.plan.layers[n].kernels.all_high_precision}
+            waiting = {n for n, reason in self._fallen_back.items() if n in self.plan.layers
+                       and not self.plan.layers[n].kernels.all_high_precision and not reason.startswith(GUARD_HOLD)}  # fmt: skip
         return sorted(n for n, m in self._layers.items() if not m.kernels.all_high_precision or n in waiting)
 
     # ------------------------------------------------------------------ step-time guard
@@ -308,9 +325,12 @@ class Dispatcher(EvidenceConsumer):
             return None
         verdict = self._agree(verdict)
         self._record({"event": "step_guard", "step": step, "bf16_ms": verdict.bf16_ms, "fp8_ms": verdict.fp8_ms,
-                      "keep_fp8": verdict.keep_fp8})  # fmt: skip
+                      "keep_fp8": verdict.keep_fp8, **({"readmitted": sorted(self._readmitted)} if self._readmitted else {})})  # fmt: skip
         if self._trials is not None and not self._trials.done:
             self._next_trial(step, verdict)
+            return verdict
+        if self._readmitted:
+            self._judge_readmitted(step, verdict)
             return verdict
         if verdict.keep_fp8:
             self._announce(f"{verdict.describe()} at step {step}")
@@ -320,6 +340,23 @@ class Dispatcher(EvidenceConsumer):
         self._save_plan()
         self._announce(f"{self.step_guard_reason} at step {step}")
         return verdict
+
+    def _judge_readmitted(self, step: int, verdict: GuardVerdict) -> None:
+        """The window after the safety valve readmitted layers: they stay if the step is not slower
+        than the baseline, else they go back to bf16 for the rest of the run (the rest of the plan,
+        judged before, stays)."""
+        layers, self._readmitted = sorted(self._readmitted), set()
+        if verdict.keep_fp8:
+            self._announce(f"{verdict.describe()} at step {step} with {len(layers)} readmitted layer(s)")
+            return
+        reason = f"{GUARD_HOLD} readmitting made the step slower ({verdict.fp8_ms:.2f} ms against {verdict.bf16_ms:.2f} ms in bf16)"
+        for layer in layers:
+            self._fallen_back[layer] = reason
+            self._layers[layer].set_kernels(LayerKernels())
+            self._record({"event": "fallback", "step": step, "layer": layer, "reason": reason})
+        self._fp8_running = self._runs_fp8()
+        self._save_plan()
+        self._announce(f"{reason} at step {step}: {len(layers)} layer(s) back to bf16")
 
     @property
     def judging_step_times(self) -> bool:
@@ -433,6 +470,8 @@ class Dispatcher(EvidenceConsumer):
                 continue
             if self.step_guard_reason is not None:
                 held[name] = ("step-time guard", self.step_guard_reason)
+            elif self._fallen_back.get(name, "").startswith(GUARD_HOLD):
+                held[name] = ("step-time guard", self._fallen_back[name])
             elif name in self._fallen_back:
                 held[name] = ("safety valve", self._fallen_back[name])
             else:
@@ -466,6 +505,7 @@ class Dispatcher(EvidenceConsumer):
             "fallen_back": dict(self._fallen_back),
             "step_guard_reason": self.step_guard_reason,
             "guard": self._guard.state_dict(),
+            "readmitted": sorted(self._readmitted),
             "trials": None if self._trials is None else self._trials.to_dict(),
             "events": list(self.events),
             "config": dataclasses.asdict(self.config),
@@ -509,6 +549,7 @@ class Dispatcher(EvidenceConsumer):
             self.step_guard_reason = state.get("step_guard_reason")
             if "guard" in state:
                 self._guard.load_state_dict(state["guard"])
+            self._readmitted = set(state.get("readmitted", []))
             self._trials = None if state.get("trials") is None else PlanTrials.from_dict(state["trials"])
             if self._ranks.rank == 0:
                 warn_differing_fields(self.config, saved, saved_config)

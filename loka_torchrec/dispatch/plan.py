@@ -22,12 +22,15 @@ from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, KernelChoice
 
-__all__ = ["RoleDecision", "LayerPlan", "DispatchPlan", "InForce", "HELD_BY", "PLAN_FORMAT_VERSION"]
+__all__ = ["RoleDecision", "LayerPlan", "DispatchPlan", "InForce", "HELD_BY", "GUARD_HOLD", "PLAN_FORMAT_VERSION"]
 
 PLAN_FORMAT_VERSION = 1
 
 HELD_BY = ("safety valve", "step-time guard", "kernel cannot run here")
 """What can hold a GEMM in bf16 that its plan has in FP8 (:attr:`InForce.held`)."""
+GUARD_HOLD = "step-time guard:"
+"""How the reason starts where the step-time guard, not the safety valve, holds a layer the valve
+readmitted in bf16 (the step was slower with it; the valve does not readmit it again)."""
 
 
 def _count(choices: Iterable[KernelChoice]) -> Dict[str, int]:
@@ -76,7 +79,11 @@ class InForce:
             if not layers:
                 continue
             if by == "step-time guard":
-                parts.append("the step-time guard returned every GEMM to bf16")
+                reasons = {self.held[name][1] for name in layers}
+                if all(r.startswith(GUARD_HOLD) for r in reasons):
+                    parts.append(f"the step-time guard holds {len(layers)} readmitted layer(s) in bf16 (the step was slower with them)")
+                else:
+                    parts.append("the step-time guard returned every GEMM to bf16")
             elif by == "safety valve":
                 parts.append(f"safety valve holds {len(layers)} layer(s) in bf16")
             else:

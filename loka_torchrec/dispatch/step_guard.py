@@ -94,6 +94,11 @@ class StepTimeGuard:
         (the caller knows whether FP8 is on; this says the rest)."""
         return self.enabled and not self._decided and len(self._baseline) >= max(1, self.window // 2)
 
+    @property
+    def decided(self) -> bool:
+        """Whether the last trial has its verdict (until :meth:`restart` opens a new one)."""
+        return self.enabled and self._decided
+
     def restart(self) -> None:
         """A new plan: the next FP8 steps form a new trial (the bf16 baseline is kept)."""
         self._trial, self._skipped, self._decided = [], 0, False

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from loka_torchrec.comms.choice import CommsChoice
 from loka_torchrec.probe.logs import to_jsonable
+from loka_torchrec.probe.run_status import GUARD_HOLD
 from loka_torchrec.probe.run_view import ROLES, RunDirError, RunView, best_candidate, load_run, rank_comparison
 from loka_torchrec.probe.text_table import as_float, number, render_table
 from loka_torchrec.probe.why import find_layer, why_lines
@@ -210,12 +211,15 @@ def _grad_check_text(check: Optional[Dict[str, Any]], has_events: bool) -> str:
 
 
 def _valve_text(view: RunView) -> str:
-    held, trips = view.status.held, view.status.valve_trips
+    trips = view.status.valve_trips
+    guard = {n for n, h in view.status.held.items() if str(h.get("reason", "")).startswith(GUARD_HOLD)}
+    held = {n: h for n, h in view.status.held.items() if n not in guard}
     count = "" if trips is None else f" ({trips} trip(s) so far)"
+    by_guard = f"; the step-time guard holds {len(guard)} readmitted layer(s): {_names(sorted(guard))}" if guard else ""
     if not held:
-        return f"safety valve: holds no layer{count}"
+        return f"safety valve: holds no layer{count}{by_guard}"
     since = [f"{name} (step {h['step']})" if h.get("step") is not None else name for name, h in held.items()]
-    return f"safety valve: holds {len(held)} layer(s) in bf16: {_names(since)}{count}"
+    return f"safety valve: holds {len(held)} layer(s) in bf16: {_names(since)}{count}{by_guard}"
 
 
 def _guard_text(view: RunView) -> str:
@@ -230,7 +234,11 @@ def _guard_text(view: RunView) -> str:
     if not verdicts:
         return "step-time guard: no verdict yet" if view.events is not None else "step-time guard: no dispatch_events.jsonl"
     v = status.guard_off or verdicts[-1]
-    verb = "kept FP8" if v.get("keep_fp8") else "returned every GEMM to bf16"
+    if v.get("readmitted"):
+        verb = (f"kept the {len(v['readmitted'])} layer(s) the safety valve readmitted" if v.get("keep_fp8")
+                else f"sent the {len(v['readmitted'])} layer(s) the safety valve readmitted back to bf16")  # fmt: skip
+    else:
+        verb = "kept FP8" if v.get("keep_fp8") else "returned every GEMM to bf16"
     return f"step-time guard (step {v.get('step')}): {verb}, median step {as_float(v.get('fp8_ms')):.4g} ms with FP8 vs {as_float(v.get('bf16_ms')):.4g} ms in bf16"
 
 

@@ -21,6 +21,9 @@ __all__ = ["RunStatus", "run_status", "ROLES", "NEVER_RAN"]
 
 ROLES = ("fwd", "dgrad", "wgrad")
 NEVER_RAN = "never ran"
+GUARD_HOLD = "step-time guard:"
+"""How a ``fallback`` event's reason starts where the step-time guard, not the safety valve, holds the
+layer (a readmission that made the step slower; the format of ``dispatch_events.jsonl``)."""
 
 
 def _is_fp8(choice: str) -> bool:
@@ -52,7 +55,8 @@ class RunStatus:
         held: layer -> ``{"step", "reason"}`` for each layer the safety valve holds in bf16 now.
         valve_trips: how many times the valve sent a layer to bf16 (``None``: no events file).
         guard_verdicts: every step-time guard verdict on the plan in force (``step``, ``fp8_ms``,
-            ``bf16_ms``, ``keep_fp8``); not those that judged a candidate of plan trials.
+            ``bf16_ms``, ``keep_fp8``, and ``readmitted``: the layers a verdict on a readmission
+            judged); not those that judged a candidate of plan trials.
         plan_trials: the candidates plan trials judged (``step``, ``candidate``, ``fp8_ms``, ``bf16_ms``,
             ``fp8_gemms``), in order; a candidate slower than bf16 turned nothing off by itself.
         plan_selected: what the trials kept (``chosen``: a candidate's label, ``None`` for bf16;
@@ -79,7 +83,8 @@ class RunStatus:
         that kept no candidate (the ``plan_selected`` event), or the guard's verdict on the plan."""
         if self.plan_selected is not None and self.plan_selected.get("chosen") is None:
             return self.plan_selected
-        return next((v for v in self.guard_verdicts if v.get("keep_fp8") is False), None)
+        # A verdict on layers the safety valve readmitted sent only those back (``readmitted``).
+        return next((v for v in self.guard_verdicts if v.get("keep_fp8") is False and not v.get("readmitted")), None)
 
     def guard_off_reason(self) -> str:
         """Why every GEMM is bf16 again, in words (``""`` when it is not)."""
@@ -99,8 +104,8 @@ class RunStatus:
             return NEVER_RAN, ""
         if _is_fp8(planned) and self.guard_off is not None:
             return "bf16:hp", "guard"
-        if _is_fp8(planned) and layer in self.held:
-            return "bf16:hp", "valve"
+        if _is_fp8(planned) and layer in self.held:  # the guard holds a readmitted layer that made the step slower
+            return "bf16:hp", "guard" if str(self.held[layer].get("reason", "")).startswith(GUARD_HOLD) else "valve"
         return planned, ""
 
     def counts(self) -> Dict[str, int]:
