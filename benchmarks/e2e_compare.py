@@ -645,7 +645,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
         k: s.get(k)
         for k in (
             "median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "timed_steps", "timed_window",
-            "qps", "peak_memory_gb", "eval_ne", "eval_auc", "train_ne", "teacher_eval_ne", "world_size", "autocast",
+            "qps", "peak_memory_gb", "peak_memory_window_gb", "eval_ne", "eval_auc", "train_ne", "teacher_eval_ne", "world_size", "autocast",
             "host_window",
         )
     }
@@ -765,8 +765,9 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
                 row[key] = _mean([r.get(key) for r in ok])
-            mem = [r["peak_memory_gb"] for r in ok if r.get("peak_memory_gb") is not None]
-            row["peak_memory_gb"] = max(mem) if mem else None
+            for key in ("peak_memory_gb", "peak_memory_window_gb"):
+                mem = [r[key] for r in ok if r.get(key) is not None]
+                row[key] = max(mem) if mem else None
             nes = [r["eval_ne"] for r in ok if r.get("eval_ne") is not None]
             row["ne_seed_spread_pct"] = 100 * statistics.stdev(nes) / statistics.fmean(nes) if len(nes) > 1 else None
             diffs = [
@@ -809,6 +810,12 @@ def reference_words(reference: Dict[Any, Dict[str, Any]]) -> str:
 
 
 # --------------------------------------------------------------------------------------- reports
+def _peak(row: Dict[str, Any]) -> str:
+    """A run's peak GPU memory over the whole run, and over its timed window in brackets where known."""
+    window = row.get("peak_memory_window_gb")
+    return _fmt(row.get("peak_memory_gb"), ".2f") + (f" ({window:.2f})" if window is not None else "")
+
+
 def _fmt(v: Any, spec: str = ".1f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
 
@@ -1167,7 +1174,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             f"User's job: {reference_words(user_reference)}. Same architecture in bf16: {reference_words(reference)}.",
             "",
             "| run | compile | status | step ms median [p10, p90], mean | vs user's job + compile | vs same-arch bf16 + compile "
-            "| vs eager bf16 | QPS | peak GiB | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 | comms |" + extra_head,
+            "| vs eager bf16 | QPS | peak GiB (timed window) | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 | comms |" + extra_head,
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if profiled else ""),
         ]
         for r in mine:
@@ -1178,7 +1185,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
                 f"| {r['run']} | {r.get('compile') or '?'} | {r['status']} | {_fmt(r['median_step_ms'], '.2f')} "
                 f"[{_fmt(r['p10_step_ms'], '.2f')}, {_fmt(r['p90_step_ms'], '.2f')}], {_fmt(r['mean_step_ms'], '.2f')} "
                 f"| {_times(r.get('speedup_vs_user_job'))} | {_times(r.get('speedup_vs_reference'))} | {_times(r.get('speedup_vs_bf16'))} "
-                f"| {_fmt(r['qps'], '.0f')} | {_fmt(r['peak_memory_gb'], '.2f')} | {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} "
+                f"| {_fmt(r['qps'], '.0f')} | {_peak(r)} | {_fmt(r['eval_ne'], '.5f')} | {_fmt(r['eval_auc'], '.4f')} "
                 f"| {ne_diff} | {_fmt(r['ne_seed_spread_pct'], '.3f')} | {fp8} | {r.get('comms') or ('n/a' if r.get('dispatch') else 'fp32 (TorchRec)')} |"
             )
             if profiled:

@@ -211,7 +211,9 @@ def format_summary(s: Dict[str, Any]) -> str:
     if s.get("data_workers"):
         lines.append(f"data             train batches made by {s['data_workers']} loader worker process(es)")
     if s.get("peak_memory_gb") is not None:
-        lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)")
+        window = s.get("peak_memory_window_gb")
+        lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)"
+                     + (f", {window:.2f} GiB in the timed window" if window is not None else ""))  # fmt: skip
     if s.get("autocast", "none") != "none":
         lines.append(f"autocast         {s['autocast']} (dense forward)")
     compiled = s.get("compile") or {}

@@ -42,6 +42,7 @@ __all__ = [
     "COMPILE_MODES",
     "RECOMPILE_LIMIT",
     "compile_dense",
+    "compiled_call",
     "cuda_graph_stats",
     "dense_modules",
     "eager",
@@ -211,6 +212,13 @@ def _module_caller() -> Callable:
     file, so Dynamo also traces modules of ``torch.nn`` itself (which it skips as a first frame).
     """
     return types.FunctionType(_call_module.__code__.replace(), _call_module.__globals__, "call_module")
+
+
+def compiled_call(module: nn.Module, **compile_kwargs) -> Callable:
+    """``module``'s call compiled (``torch.compile(..., **compile_kwargs)``) on a code object of its
+    own, so that its graphs count against no other module's recompile limit (every ``nn.Linear``
+    shares ``nn.Linear.forward``); ``module`` itself is left as it is."""
+    return functools.partial(torch.compile(_module_caller(), **compile_kwargs), module)
 
 
 def _call_resolved(compiled, module: nn.Module, *args, **kwargs):

@@ -6,8 +6,12 @@ of an FP8 layer can cost more than its GEMM saves. :func:`time_serving_forward` 
 one layer at the serving rows, on the layer's device and in the dtype serving feeds it (bf16 on CUDA,
 float32 elsewhere):
 
-* CUDA: each form's forward captured in a CUDA graph and replayed (device time, as a compiled model
-  with CUDA graphs pays it), else CUDA events around each call;
+* CUDA: each form's forward compiled (``torch.compile``, static shapes) and captured in a CUDA graph
+  and replayed: device time, as a compiled model with CUDA graphs pays it. Compiled, Inductor makes
+  the FP8 input's amax and cast one or two kernels. Eagerly the cast alone is half a dozen passes
+  over a float32 copy of the input, which at thousands of rows costs more than the FP8 GEMM saves,
+  so an eager timing would send every layer back to high precision. Where capture fails: CUDA
+  events around each call;
 * elsewhere: wall time around each call, the two forms interleaved call by call so that drift hits
   both (a CPU is a test bed, not a target);
 * the median with its quartiles.
@@ -23,6 +27,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
+from loka_torchrec.compile import compiled_call
 from loka_torchrec.evidence import Interval
 from loka_torchrec.gemm.intervals import iqr_interval
 from loka_torchrec.gemm.measure import call_times_ms, graph_replay_ms
@@ -60,6 +65,8 @@ def time_serving_forward(fp8: nn.Module, high_precision: nn.Module, rows: int, *
     forms = {"fp8": lambda: fp8(x), "hp": lambda: plain(x)}
     times: Dict[str, List[float]] = {name: [] for name in forms}
     if device.type == "cuda":
+        compiled = {name: compiled_call(module, dynamic=False) for name, module in (("fp8", fp8), ("hp", plain))}
+        forms = {name: (lambda c=c: c(x)) for name, c in compiled.items()}
         for name, call in forms.items():
             call()  # workspaces, first-call set-up: outside the capture
             replayed = graph_replay_ms([call], reps=reps, device=device)

@@ -172,6 +172,24 @@ def test_a_dozen_kernel_sets_each_compile_and_none_runs_eagerly():
     torch._dynamo.reset()
 
 
+def test_compiled_call_gives_each_module_its_own_recompile_limit():
+    """Every nn.Linear shares nn.Linear.forward, so torch.compile of one Linear after another counts
+    against one limit; compiled_call (the serving timer's) compiles each on a code object of its own."""
+    from loka_torchrec.compile import compiled_call
+
+    torch._dynamo.reset()
+    layers = [nn.Linear(k, 4) for k in (8, 16, 24)]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for layer in layers:
+            x = torch.randn(3, layer.in_features)
+            torch.testing.assert_close(compiled_call(layer, dynamic=False, fullgraph=True)(x), layer(x))
+        torch._dynamo.reset()
+        torch.compile(layers[0], dynamic=False, fullgraph=True)(torch.randn(3, 8))
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # the same code object: the limit reached
+            torch.compile(layers[1], dynamic=False, fullgraph=True)(torch.randn(3, 16))
+    torch._dynamo.reset()
+
+
 def test_nonfinite_operands_are_counted_inside_the_graph():
     layer = loka_torchrec.LokaLinear(16, 8, kernels=LayerKernels.uniform(ROWWISE))
     compiled = torch.compile(layer, fullgraph=True)

@@ -399,7 +399,7 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
                           "comms": 0.0, "memcpy_memset": 0.0, "other": 0.1}}  # fmt: skip
     loka = dict(_rec("loka_compile", 0, 6.0, 0.81, profile=profile, mean_ms=6.5), command="x",
                 dispatch={"summary": "10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25)", "fp8_by_backend": {"scaled_mm": 10},
-                          "fp8_gemms": 10, "gemms": 35})  # fmt: skip
+                          "fp8_gemms": 10, "gemms": 35}, peak_memory_gb=4.5, peak_memory_window_gb=2.25)  # fmt: skip
     records = [_rec("bf16", 0, 14.0), _rec("bf16_compile_cudagraphs", 0, 8.0), loka]
     meta = {"date": "d", "device": "H100", "versions": {"torch": "2.13"}, "command": "c", "seconds": 1.0,
             "settings": {"nproc": 1, "device": "cuda", "steps": 300, "window_start": 180, "autocast": "bf16",
@@ -412,6 +412,7 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
     assert row.startswith("| loka_compile | reduce-overhead | ok | 6.00 [6.00, 6.00], 6.50 | n/a | 1.333x | 2.333x |")
     assert row.endswith("| 10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25) | n/a | 80.0 | 1.667x |")
     assert "| bf16 | none | ok | 14.00 [14.00, 14.00], 14.00 | n/a | 0.571x | 1.000x |" in md
+    assert "| 4.50 (2.25) |" in row  # the whole run's peak memory, and the timed window's
     assert "## Where the step goes" in md
 
 

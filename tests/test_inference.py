@@ -139,6 +139,24 @@ def test_on_cuda_in_bf16_within_the_formats_error_and_exported(granularity, tmp_
     torch.testing.assert_close(program.module()(x[:100]), layer(x[:100]), rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+def test_on_cuda_serving_rows_time_the_compiled_forms_in_a_cuda_graph(monkeypatch):
+    """The serving timer on CUDA: both forms compiled and replayed in a CUDA graph (never the eager
+    fallback, whose separate cast passes would decide against FP8 at every size)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from loka_torchrec import inference_timing
+
+    eager = []
+    monkeypatch.setattr(inference_timing, "call_times_ms", lambda *a, **k: eager.append(1) or [1.0])
+    torch.manual_seed(0)
+    layer = nn.Linear(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    fp8 = Fp8InferenceLinear(layer.weight.detach(), layer.bias.detach(), "tensorwise", fast_accum=True)
+    fp8_ms, hp_ms = inference_timing.time_serving_forward(fp8, layer, 4096, reps=5)
+    assert not eager and 0 < fp8_ms.value < 100 and 0 < hp_ms.value < 100
+    assert not isinstance(fp8, torch._dynamo.eval_frame.OptimizedModule)  # the layer itself is left as it is
+
+
 def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_path):
     """benchmarks/inference_throughput.py, DHEN small: eager bf16 and LoKA's serving form (every GEMM
     forced to FP8) at two batch sizes; torchao's float8 inference is skipped with its reason."""

@@ -498,6 +498,7 @@ class Trainer:
         self.history: list = []
         self.nonfinite = NonFiniteSteps(train_config.max_nonfinite_steps)  # skipped steps (resumed too)
         self.memory_trend = MemoryTrend()  # GPU memory that grows at every step: warned once
+        self._peak_before_window: Optional[int] = None  # the run's peak memory before the timed window
         self.last_checkpoint: Optional[str] = None
         if train_config.resume:
             self._resume(train_config.resume)
@@ -581,6 +582,9 @@ class Trainer:
             self._show_plan_if_new(bar)
             if cuda and (cfg.step_sync or step in (first_timed, cfg.steps)):
                 torch.cuda.synchronize(self.ctx.device)  # every step, or around the timed window
+            if cuda and step == first_timed:  # from here the peak is the steady state's (plans, checks, compiles done)
+                self._peak_before_window = torch.cuda.max_memory_allocated(self.ctx.device)
+                torch.cuda.reset_peak_memory_stats(self.ctx.device)
             if step in (first_timed, cfg.steps):
                 window_clock["start" if step == first_timed else "end"] = time.time()
                 window_host["start" if step == first_timed else "end"] = host_counters(batches, self.ctx.device)
@@ -658,7 +662,7 @@ class Trainer:
             "qps": 1e3 * global_batch / stats["median_step_ms"] if timed else float("nan"),
             "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
             "train_seconds": train_seconds,
-            "peak_memory_gb": self._peak_memory_gb(),
+            **self._peak_memory_gb(),
             "autocast": cfg.autocast,
             "sharding_group_size": cfg.sharding_group_size,
             "dense_allreduce": {
@@ -916,15 +920,20 @@ class Trainer:
             f.flush()
         logger.info("%s", " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
-    def _peak_memory_gb(self) -> Optional[float]:
-        """Peak GPU memory allocated by PyTorch (``torch.cuda.max_memory_allocated``), in GiB,
-        the largest over ranks; ``None`` off CUDA. A collective: every rank calls it."""
+    def _peak_memory_gb(self) -> Dict[str, Optional[float]]:
+        """Peak GPU memory allocated by PyTorch (``torch.cuda.max_memory_allocated``), in GiB, the
+        largest over ranks: over the whole run (``peak_memory_gb``) and over the timed window alone
+        (``peak_memory_window_gb``: the steady state, after LoKA's plans, checks and compiles, whose
+        transient peaks the whole run's includes); ``None`` off CUDA. A collective: every rank calls it."""
         if self.ctx.device.type != "cuda":
-            return None
-        peak = torch.tensor([float(torch.cuda.max_memory_allocated(self.ctx.device))], device=self.ctx.device)
+            return {"peak_memory_gb": None, "peak_memory_window_gb": None}
+        window = float(torch.cuda.max_memory_allocated(self.ctx.device))
+        before = self._peak_before_window
+        peaks = torch.tensor([max(window, before or 0.0), window], device=self.ctx.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak.item()) / 2**30
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        run, window = (float(v) / 2**30 for v in peaks.tolist())
+        return {"peak_memory_gb": run, "peak_memory_window_gb": window if before is not None else None}
 
     def _compile_summary(self) -> Dict[str, Any]:
         """The compile mode, the compiled modules, Dynamo's counters of this process (graphs
