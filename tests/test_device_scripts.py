@@ -1,0 +1,43 @@
+"""The device machine's driver scripts, run here on jobs that need no GPU: what comes back, and the
+refusals a user hits (a malformed jobs line, a stage started too late in the call)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args, env=None):
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def test_jobs_run_side_by_side_each_pinned_and_packed(tmp_path):
+    jobs = tmp_path / "a.jobs"
+    jobs.write_text("# two jobs\n\n0 first echo $CUDA_VISIBLE_DEVICES > $OUT/gpus.txt\n"
+                    "2,3 second X=7 bash -c 'echo x=$X; exit 3'\n")  # fmt: skip
+    out = tmp_path / "out"
+    proc = _run("device_per_gpu.sh", str(jobs), env={"OUT": str(out)})
+    assert proc.returncode == 0, proc.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "=== first: rc=0" in summary and "=== second: rc=3" in summary and "x=7" in summary
+    with tarfile.open(out / "first.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["first", "first/gpus.txt", "first/job.log"]
+        assert tar.extractfile("first/gpus.txt").read().decode().strip() == "0"
+    assert sorted(p.name for p in out.iterdir()) == ["first.tar.gz", "second.tar.gz", "summary.txt"]
+
+
+def test_a_jobs_line_without_a_command_is_refused(tmp_path):
+    jobs = tmp_path / "bad.jobs"
+    jobs.write_text("0 lonely\n")
+    proc = _run("device_per_gpu.sh", str(jobs), env={"OUT": str(tmp_path / "out")})
+    assert proc.returncode == 2 and "line '0 lonely' has no command (expected GPUS NAME COMMAND...)" in proc.stderr
+
+
+def test_a_stage_with_too_little_of_the_call_left_is_skipped_with_a_line(tmp_path):
+    proc = _run("device_benchmarks.sh", "gpu_tests", env={"OUT": str(tmp_path), "CALL_T0": str(int(time.time()) - 600)})
+    assert proc.returncode == 3 and proc.stdout.startswith("=== gpu_tests: skipped,") and "before the call's deadline" in proc.stdout
