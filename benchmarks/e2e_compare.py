@@ -941,29 +941,40 @@ def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) ->
 def serving_section(records: List[Dict[str, Any]]) -> List[str]:
     """"Serving what training ran": per run that exported (``train.export_serving``), each dense module's
     program and what ran FP8 in it, and eval NE/AUC of the model trained, served (FP8 where it runs) and
-    served in high precision, on the same held-out batches."""
+    served in high precision, on the same held-out batches; and the served NE against the eval NE of the
+    bf16 run of the same recipe and seed (the first of :data:`NE_REFERENCES` that completed), a model
+    trained without LoKA."""
     exported = [r for r in records if r.get("status") == "ok" and r.get("serving")]
     if not exported:
         return []
+    bf16: Dict[Tuple[str, int], Dict[str, Any]] = {}
+    for recipe in {r["recipe"] for r in exported}:
+        for name in reversed(NE_REFERENCES):  # the first name that completed wins
+            bf16.update({(recipe, seed): ref for seed, ref in _ok(records, recipe, name).items()})
     lines = [
         "## Serving what training ran", "",
         "`train.export_serving`: each dense module as a `torch.export` program, FP8 where the run's plan had it in "
         "force at the end (`loka_torchrec.inference_modules`), checked against the served copy; eval NE (AUC) of the "
         "whole model on the run's held-out batches, trained / served in FP8 / served in high precision.", "",
-        "| recipe | run | seed | module | FP8 layers | program checked | NE trained | NE served FP8 | NE served high precision | NE served FP8 vs high precision % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | run | seed | module | FP8 layers | program checked | NE trained | NE served FP8 | NE served high precision "
+        "| NE served FP8 vs high precision % | NE served FP8 vs the bf16 run % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in exported:
         for name, entry in sorted(r["serving"].items()):
             if not entry.get("exported"):
-                lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {name} | not exported: {entry.get('reason')} | | | | | |")
+                lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {name} | not exported: {entry.get('reason')} | | | | | | |")
                 continue
             quality = entry.get("eval") or {}
             ne = {k: (quality.get(k) or {}).get("ne") for k in ("trained", "served", "served_high_precision")}
             delta = 100 * (ne["served"] - ne["served_high_precision"]) / ne["served_high_precision"] if ne["served"] and ne["served_high_precision"] else None
+            ref = bf16.get((r["recipe"], r["seed"]))
+            vs_bf16 = (f"{_fmt(100 * (ne['served'] - ref['eval_ne']) / ref['eval_ne'], '+.3f')} (`{ref['run']}`)"
+                       if ne["served"] and ref and ref.get("eval_ne") else "n/a")  # fmt: skip
             lines.append(
                 f"| {r['recipe']} | {r['run']} | {r['seed']} | {name} | {entry['summary']} | {'yes' if entry['verified'] else 'NO'} "
-                f"| {_fmt(ne['trained'], '.5f')} | {_fmt(ne['served'], '.5f')} | {_fmt(ne['served_high_precision'], '.5f')} | {_fmt(delta, '+.3f')} |"
+                f"| {_fmt(ne['trained'], '.5f')} | {_fmt(ne['served'], '.5f')} | {_fmt(ne['served_high_precision'], '.5f')} | {_fmt(delta, '+.3f')} "
+                f"| {vs_bf16} |"
             )
     return lines + [""]
 

@@ -539,9 +539,11 @@ def test_serving_section_shows_each_exported_module_and_the_eval_ne_served():
     quality = {"trained": {"ne": 0.80}, "served": {"ne": 0.80}, "served_high_precision": {"ne": 0.79}}
     serving = {"over_arch": {"exported": True, "verified": True, "summary": "25/25 linear layers in FP8 for inference", "eval": quality},
                "dense_arch": {"exported": False, "reason": "not called in the evaluation batch"}}  # fmt: skip
-    lines = e2e.serving_section([dict(_rec("loka_compile_default_export", 0, 6.0), serving=serving), _rec("bf16", 0, 7.0)])
+    lines = e2e.serving_section([dict(_rec("loka_compile_default_export", 0, 6.0), serving=serving), _rec("bf16", 0, 7.0, ne=0.78)])
     assert lines[0] == "## Serving what training ran"
     assert ("| r | loka_compile_default_export | 0 | over_arch | 25/25 linear layers in FP8 for inference | yes | 0.80000 | 0.80000 "
-            "| 0.79000 | +1.266 |") in lines  # fmt: skip
+            "| 0.79000 | +1.266 | +2.564 (`bf16`) |") in lines  # against the model trained without LoKA  # fmt: skip
+    alone = e2e.serving_section([dict(_rec("loka_compile_default_export", 0, 6.0), serving=serving)])
+    assert any(line.endswith("| +1.266 | n/a |") for line in alone)  # no bf16 run in the call
     assert any("dense_arch | not exported: not called in the evaluation batch" in line for line in lines)
     assert e2e.serving_section([_rec("bf16", 0, 7.0)]) == []
