@@ -36,6 +36,7 @@ TorchRec's own inference path).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -214,9 +215,9 @@ def inference_modules(
             history take their scale from these.
         serving_rows: the rows of a serving batch. Given, each FP8 layer's forward is timed against
             its high-precision form at that many rows (:mod:`loka_torchrec.inference_timing`: on CUDA
-            both compiled and replayed in a CUDA graph; layers of one shape and kernel are timed once) and stays FP8 only where high precision's 25th
-            percentile over FP8's 75th reaches ``min_speedup``; the others run in high precision,
-            with both times in the reason. ``None``: every layer training runs in FP8 serves in FP8.
+            both compiled and replayed in a CUDA graph; layers of one shape and kernel are timed
+            once) and stays FP8 only where high precision's 25th percentile over FP8's 75th reaches
+            ``min_speedup``; the others run in high precision, with both times in the reason. ``None``: every layer training runs in FP8 serves in FP8.
         min_speedup: that gate (default 1.0: not slower).
         timer: replaces :func:`~loka_torchrec.inference_timing.time_serving_forward` (tests).
 
@@ -317,7 +318,5 @@ def export_program(model: nn.Module, example_args: Sequence, path: str, *, dynam
 def _takes_varargs(model: nn.Module) -> bool:
     """Whether ``model.forward`` takes its arguments as ``*args`` (``torch.export`` then wants their
     dynamic shapes nested under that one parameter)."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)

@@ -68,7 +68,7 @@ def test_a_checkpoint_with_loka_state_loads_weights_only_and_restores_every_deci
         a, b = first.probe.layer_state(name), resumed.probe.layer_state(name)
         assert b.state == a.state and b.evidence == a.evidence and list(b.act_amax) == list(a.act_amax)
         assert torch.equal(b.reference_act.mean, a.reference_act.mean) and b.reference_act.count == a.reference_act.count
-        # after the plan the captured rows are released (LayerState.release_rows), and stay so
+        # after the plan the captured rows are released (LayerState.reset_reservoir), and stay so
         assert a.reservoir.inputs is None and b.reservoir.inputs is None and b.reservoir.seen == a.reservoir.seen == 0
         assert torch.equal(b.reservoir._gen.get_state(), a.reservoir._gen.get_state())
     with pytest.raises(ValueError, match="has already ended"):

@@ -1,4 +1,7 @@
-"""``train.dense_allreduce=auto``: DDP's dense gradient all-reduce in fp32 or compressed, whichever makes the step faster.
+"""The hooks the job registers itself on DDP's dense gradient all-reduce (:func:`register_hooks`).
+
+``train.dense_allreduce=fp8``: :mod:`loka_torchrec.comms.fp8_allreduce`'s hook, always (lossy: only
+where asked). ``train.dense_allreduce=auto``: fp32 or compressed, whichever makes the step faster.
 
 DDP takes one communication hook, registered before the first forward. :func:`install` registers
 one whose precision an :class:`AllreduceSwitch` sets between steps: fp32 (DDP's own all-reduce,
@@ -20,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from loka_torchrec.comms.fp8_allreduce import Fp8AllreduceState, fp8_allreduce_hook
 from loka_torchrec.comms.step_check import CommsStepCheck, StepCheckDriver, StepCheckRun
 
-__all__ = ["AllreduceSwitch", "DenseAllreduceCheck", "compressed_candidate", "install"]
+__all__ = ["AllreduceSwitch", "DenseAllreduceCheck", "compressed_candidate", "install", "register_hooks"]
 
 logger = logging.getLogger("loka_job.train")
 
@@ -100,6 +104,20 @@ class DenseAllreduceCheck(StepCheckDriver):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.switch.precision = str(state.get("precision", "fp32"))
         self.run.load_state_dict(state)
+
+
+def register_hooks(ddp_module, precision: str, device: torch.device, *, check_steps: int) -> Optional[DenseAllreduceCheck]:
+    """Register the job's own hook for ``train.dense_allreduce=precision`` on ``ddp_module`` (a
+    ``DistributedDataParallel``, before its first forward): ``fp8``, the FP8 hook on DDP's own process
+    group (TorchRec's DDP runs on its global group; a hook is not told which); ``auto``, the
+    switchable hook, with the check that drives it (returned). ``fp32``, ``bf16`` and ``fp16`` are
+    registered by TorchRec's DDP wrapper: nothing here, ``None``."""
+    if precision == "fp8":
+        ddp_module.register_comm_hook(Fp8AllreduceState(process_group=ddp_module.process_group), fp8_allreduce_hook)
+        return None
+    if precision != "auto":
+        return None
+    return DenseAllreduceCheck(install(ddp_module, compressed_candidate(device)), block=check_steps)
 
 
 def compressed_candidate(device: torch.device) -> str:

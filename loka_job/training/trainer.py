@@ -38,9 +38,7 @@ from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
 from loka_job.training.preemption import StopSignal
 from loka_job.training.profiling import StepProfiler, profile_summary
-from loka_job.training.dense_allreduce import DenseAllreduceCheck, compressed_candidate
-from loka_torchrec.comms.fp8_allreduce import Fp8AllreduceState, fp8_allreduce_hook
-from loka_job.training.dense_allreduce import install as install_allreduce_switch
+from loka_job.training.dense_allreduce import DenseAllreduceCheck, register_hooks as register_allreduce_hooks
 from loka_job.training.serving_export import (
     captured_inputs, export_serving, high_precision_copies, serving_copies, swapped, write_serving,
 )  # fmt: skip
@@ -837,20 +835,13 @@ class Trainer:
         (bar.write if bar is not None else print)(text)
 
     def _dense_allreduce_check(self, cfg: TrainConfig) -> Optional[DenseAllreduceCheck]:
-        """``train.dense_allreduce=auto``: the switchable hook on TorchRec's DDP module and its check
-        (``None`` otherwise, or where no DDP all-reduces anything: one rank, no dense parameters);
-        ``fp8``: the FP8 hook registered there (no check)."""
+        """The job's own hook on TorchRec's DDP module for ``train.dense_allreduce`` (fp8, auto:
+        :func:`loka_job.training.dense_allreduce.register_hooks`), and ``auto``'s check (``None``
+        otherwise, or where no DDP all-reduces anything: one rank, no dense parameters)."""
         ddp = getattr(self.model, "_dmp_wrapped_module", None)
         if self.ctx.world_size == 1 or not isinstance(ddp, DistributedDataParallel):
             return None
-        if cfg.dense_allreduce == "fp8":
-            # DDP's own process group (TorchRec's is its global group; a hook is not told which)
-            ddp.register_comm_hook(Fp8AllreduceState(process_group=ddp.process_group), fp8_allreduce_hook)
-            return None
-        if cfg.dense_allreduce != "auto":
-            return None
-        switch = install_allreduce_switch(ddp, compressed_candidate(self.ctx.device))
-        return DenseAllreduceCheck(switch, block=cfg.dense_allreduce_check_steps)
+        return register_allreduce_hooks(ddp, cfg.dense_allreduce, self.ctx.device, check_steps=cfg.dense_allreduce_check_steps)
 
     # ------------------------------------------------------------------ state
     def state(self, step: int) -> Dict[str, Any]:

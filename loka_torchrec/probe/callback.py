@@ -366,7 +366,7 @@ class ProbeCallback:
             state = self._layers[name]
             state.evidence, state.evidence_step, state.state = evidence, step, LayerStatus.PLANNED
             state.evidence_records = evidence_records(evidence, details)
-            state.release_rows()
+            state.reset_reservoir()  # the evidence is made: its rows are not read again
             record = records.get(name) or self._reports.plan_record(step, state)
             record.update(event="plan", evidence=state.evidence_records, state=state.state.value)
             if state.reference_act is not None:
@@ -389,7 +389,7 @@ class ProbeCallback:
                 replan = True
             state.evidence, state.evidence_step = evidence, step
             state.evidence_records = evidence_records(evidence, details)
-            state.release_rows()
+            state.reset_reservoir()  # the evidence is made: its rows are not read again
             records[name]["evidence"] = state.evidence_records
         if replan and self.consumer is not None:
             self.consumer.replan(self._all_evidence(), source="probe", step=step)

@@ -76,14 +76,10 @@ class LayerState:
         return self.state is not LayerStatus.PLANNED
 
     def reset_reservoir(self) -> None:
-        """Forget the captured rows (after a shift they describe the old distribution)."""
+        """Forget the captured rows (on the layer's device, up to ``reservoir_rows x (in + out)``
+        values): once the evidence is made nothing reads them again, and after a shift they
+        describe the old distribution (a trip's recovery fills a new reservoir)."""
         self.reservoir = RowReservoir(self.in_features, self.out_features, capacity=self.config.reservoir_rows, seed=self.config.seed + 1)
-
-    def release_rows(self) -> None:
-        """Once its evidence is made, drop the captured rows (on the layer's device, up to
-        ``reservoir_rows x (in + out)`` values): nothing reads them again; a trip starts a new
-        reservoir for the recovery's evidence (:meth:`reset_reservoir`)."""
-        self.reset_reservoir()
 
     def delayed_amax(self, which: str) -> Optional[float]:
         """The amax a delayed tensorwise scale would use: the largest of earlier probe steps."""
