@@ -244,6 +244,97 @@ def test_a_layer_that_runs_bf16_has_its_triggers_logged_but_does_not_fall_back(t
     assert any(t["signal"] == "amax_jump" for t in fc2["triggers"])
 
 
+class _Gain(nn.Module):
+    """Multiplies its input by ``factor`` (set between steps: a shift that only the layers after it see)."""
+
+    factor = 1.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def _deep_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), _Gain(), nn.Linear(32, 8))
+
+
+def _heavy_tailed_batch(step_with_outliers):
+    """At ``step_with_outliers``, two rows of the batch carry one large value each: every layer's
+    kurtosis jumps while its amax stays within the amax-jump bound (a heavy-tailed batch)."""
+
+    def data(step, x):
+        if step == step_with_outliers:
+            x[0, 3], x[7, 11] = 30.0, -30.0
+        return x
+
+    return data
+
+
+def _layers(model):
+    return {"fc1": model[0], "fc2": model[2], "fc3": model[4], "fc4": model[6]}
+
+
+def test_a_kurtosis_spike_that_the_bf16_layers_show_too_is_a_batch_event_and_trips_nothing(tmp_path, caplog):
+    model = _deep_mlp()
+    dispatch = FakeDispatch(_layers(model), guarded=["fc1"])  # fc2..fc4 run bf16 by plan
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    with caplog.at_level("WARNING", logger="loka_torchrec.probe"):
+        _train(model, cb, 8, data=_heavy_tailed_batch(6))
+    cb.close()
+    assert [c for c in dispatch.calls if c[0] == "fallback"] == []
+    records, _ = read_rank_log(tmp_path / "probe" / "rank0.jsonl")
+    (fc1,) = [r for r in records if r["layer"] == "fc1" and r["step"] == 6]
+    spikes = [t for t in fc1["triggers"] if t["signal"] == "kurtosis_spike"]
+    assert spikes and all("layers that run bf16" in t["batch_event"] for t in spikes)
+    assert not [t for t in fc1["triggers"] if not t["batch_event"]]  # nothing else fired: the spike alone was the trip
+    assert fc1["state"] == "planned"
+    summary, _ = read_summary(tmp_path / "probe" / "summary.json")
+    (event,) = [e for e in summary["events"] if e["event"] == "batch_event" and e["reason"].startswith("act")]
+    assert event["layer"] is None and "fc1" in event["layers"] and "no layer trips" in event["reason"]
+    assert any("the batch's, not FP8's" in r.message for r in caplog.records)
+
+
+def test_the_same_spike_trips_when_the_valve_is_told_that_every_spike_trips(tmp_path):
+    model = _deep_mlp()
+    dispatch = FakeDispatch(_layers(model), guarded=["fc1"])
+    cb = ProbeCallback(model, dataclasses.replace(CFG, batch_event_share=None), run_dir=str(tmp_path), consumer=dispatch)
+    _train(model, cb, 8, data=_heavy_tailed_batch(6))
+    cb.close()
+    (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
+    assert fallback[1:3] == ("fc1", 6) and "kurtosis_spike" in fallback[3] and "batch event" not in fallback[3]
+
+
+def test_a_spike_that_only_the_fp8_layer_shows_still_trips_it(tmp_path):
+    model = _deep_mlp()
+    dispatch = FakeDispatch(_layers(model), guarded=["fc4"])  # the only layer after the gain
+
+    cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000)
+    for step in range(8):
+        x = torch.randn(32, 16, generator=gen)
+        if step == 6:  # a heavy tail in fc4's input alone: the gain multiplies a few of its entries
+            mask = torch.ones(32, 32)
+            mask[0, 3] = mask[7, 11] = 12.0
+            model[5].factor = mask
+        else:
+            model[5].factor = 1.0
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        cb.on_step_end(step)
+    cb.close()
+    (fallback,) = [c for c in dispatch.calls if c[0] == "fallback"]
+    assert fallback[1:3] == ("fc4", 6) and "act kurtosis_spike" in fallback[3] and "batch event" not in fallback[3]
+    summary, _ = read_summary(tmp_path / "probe" / "summary.json")
+    assert not [e for e in summary["events"] if e["event"] == "batch_event" and e["reason"].startswith("act")]
+
+
+def test_batch_event_share_is_checked():
+    with pytest.raises(ValueError, match="batch_event_share: expected a share in"):
+        ProbeConfig(batch_event_share=1.5)
+
+
 def test_with_no_layer_to_guard_monitoring_steps_are_skipped_until_one_is(tmp_path):
     model = _mlp()
     dispatch = FakeDispatch({"fc1": model[0], "fc2": model[2]}, guarded=[])  # a plan without FP8 GEMMs

@@ -82,6 +82,12 @@ class ProbeConfig:
         kurtosis_spike_ratio: safety valve: a probe step whose kurtosis exceeds this multiple of
             the reference kurtosis trips the layer.
         underflow_rise: safety valve: absolute rise of an underflow fraction (0..1) that trips.
+        batch_event_share: safety valve: a ``kurtosis_spike`` of a tensor (input or gradient) that
+            at least this share of the layers running bf16 by plan also show at the same probe step
+            belongs to the batch, not to FP8: it is logged as a batch event and trips no layer
+            (needs at least two such layers; ``None``: every spike trips). Kurtosis is a proxy;
+            what a heavy tail does to FP8 (values lost below the scale) is the underflow trigger's,
+            which still trips.
         readmit_windows: probe steps without a trigger that a tripped layer needs before it is
             re-evaluated for readmission.
         readmit_every: while a layer is in fallback, the next monitoring step comes at most this
@@ -117,6 +123,7 @@ class ProbeConfig:
     amax_jump_ratio: float = 8.0
     kurtosis_spike_ratio: float = 4.0
     underflow_rise: float = 0.05
+    batch_event_share: Optional[float] = 0.5
     readmit_windows: int = 2
     readmit_every: int = 50
     readmit_error_ratio: float = 1.25
@@ -153,6 +160,8 @@ class ProbeConfig:
                 raise ValueError(f"{name}: expected a ratio > 1, got {getattr(self, name)!r}")
         if not 0.0 < self.underflow_rise <= 1.0:
             raise ValueError(f"underflow_rise: expected a fraction in (0, 1], got {self.underflow_rise!r}")
+        if self.batch_event_share is not None and not 0.0 < self.batch_event_share <= 1.0:
+            raise ValueError(f"batch_event_share: expected a share in (0, 1] or None, got {self.batch_event_share!r}")
 
     # ------------------------------------------------------------------------------ cadence
     def is_probe_step(self, step: int) -> bool:

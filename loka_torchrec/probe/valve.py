@@ -6,7 +6,8 @@ every rank reaches the same verdict. A layer trips on any of:
 
 * ``nonfinite``: the probe step saw an inf or NaN in the tensor;
 * ``amax_jump``: ``amax > amax_jump_ratio * reference amax``;
-* ``kurtosis_spike``: ``kurtosis > kurtosis_spike_ratio * reference kurtosis``;
+* ``kurtosis_spike``: ``kurtosis > kurtosis_spike_ratio * reference kurtosis``, unless the layers
+  that run bf16 show it too (a batch event: :mod:`loka_torchrec.probe.valve_actions`);
 * ``underflow_rise``: an underflow fraction (any format, any granularity) rose by more than
   ``underflow_rise``;
 * ``below_floor``: the fraction of elements in groups whose amax is below the FP8 scaling floor
@@ -49,11 +50,21 @@ class Trigger:
     bound: float
     detail: str = ""
     spread: str = ""  # nonfinite: how the layer's FP8 recipes spread it (see nonfinite_spread)
+    batch_event: str = ""  # a shift of the batch, not FP8's (see SafetyValve): who else showed it; trips nothing
+
+    @property
+    def trips(self) -> bool:
+        """Whether this trigger sends a layer to bf16 (a batch event is only logged)."""
+        return not self.batch_event
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
+        text = self._text()
+        return f"{text} (batch event: {self.batch_event})" if self.batch_event else text
+
+    def _text(self) -> str:
         where = f"{self.tensor}{'.' + self.detail if self.detail else ''}"
         if self.signal == "nonfinite":
             return f"{where} nonfinite: {self.value:.0f} inf/NaN element(s)" + (f" ({self.spread})" if self.spread else "")

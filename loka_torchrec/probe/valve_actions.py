@@ -3,6 +3,11 @@
 The signals are :mod:`loka_torchrec.probe.valve`'s (a layer's merged statistics against those its
 kernels were chosen on). Here, per layer, from those signals:
 
+* a gradient or input kurtosis spike that at least ``batch_event_share`` of the layers running
+  bf16 by plan show at the same step is the batch's (a few heavy-tailed samples lift every
+  layer's kurtosis, in bf16 as much as in FP8): it is logged, as a ``batch_event`` of the run,
+  and trips no layer. Each trip costs bf16 steps, a recompile and a step-time window, and
+  tripping after the step protects no step the batch has already passed through;
 * a ``"planned"`` layer that trips, and that the consumer guards (it runs an FP8 GEMM or waits to),
   falls back: ``consumer.fallback(layer, reason, step=step)`` sends it to bf16; a tripping layer
   that runs bf16 has nothing to fall back from, and its triggers are only logged;
@@ -72,6 +77,7 @@ class SafetyValve:
         """Judge ``states`` on ``merged``, act on the verdicts, note them in ``records``; returns the
         layers that have recovered and are due for re-evaluation and :meth:`readmit`."""
         verdicts = self._ranks.broadcast(self._judge(states, merged, guarded))
+        self._note_batch_events(step, verdicts)
         reevaluate: List[str] = []
         for state, m_act, m_grad in zip(states, merged.act, merged.grad):
             action, trigger_dicts = verdicts[state.name]
@@ -83,7 +89,7 @@ class SafetyValve:
             if action is ValveAction.FALLBACK:
                 # The tripping window itself is not part of the recovery: a transient spike would
                 # otherwise inflate the reference the layer is readmitted with.
-                state.state, state.reason, state.clean_windows = LayerStatus.FALLBACK, describe(triggers), 0
+                state.state, state.reason, state.clean_windows = LayerStatus.FALLBACK, describe([t for t in triggers if t.trips]), 0
                 state.recovery_act = state.recovery_grad = None
                 state.reset_reservoir()
                 logger.warning("Probe: step %d: layer %s falls back to bf16: %s", step, state.name, state.reason)
@@ -124,9 +130,40 @@ class SafetyValve:
             self._reports.event(step, state.name, "readmit", reason)
             records[state.name].update(event="readmit", state=state.state.value, decision={"state": state.state.value, "reason": reason})
 
+    def _note_batch_events(self, step: int, verdicts: Verdicts) -> None:
+        """Log, once per step and tensor, a spike judged to be the batch's, and note it in the run's events."""
+        seen: Dict[str, Tuple[str, List[str]]] = {}
+        for name, (_, trigger_dicts) in verdicts.items():
+            for t in trigger_dicts:
+                if t.get("batch_event"):
+                    seen.setdefault(f"{t['tensor']} {t['signal']}", (t["batch_event"], []))[1].append(name)
+        for what, (witnesses, layers) in sorted(seen.items()):
+            reason = f"{what} on {len(layers)} layer(s), and on {witnesses}: the batch's, not FP8's; no layer trips on it"
+            logger.warning("Probe: step %d: %s", step, reason)
+            self._reports.event(step, None, "batch_event", reason, layers=sorted(layers))
+
+    def _batch_events(self, states: Sequence[LayerState], triggers: Dict[str, List[Trigger]], judged: Dict[str, Set[str]], guarded: Set[str]) -> Dict[str, str]:
+        """Tensor (``"act"``, ``"grad"``) -> who else showed its kurtosis spike, where enough of the
+        layers running bf16 by plan show it (``batch_event_share``, at least two of them).
+
+        ``judged``: per layer, the tensors compared against a reference at this step.
+        """
+        share = self._config.batch_event_share
+        if share is None:
+            return {}
+        bf16 = [s.name for s in states if s.state is LayerStatus.PLANNED and s.name not in guarded]
+        out: Dict[str, str] = {}
+        for tensor in ("act", "grad"):
+            witnesses = [name for name in bf16 if tensor in judged[name]]
+            spiked = [name for name in witnesses if any(t.tensor == tensor and t.signal == "kurtosis_spike" for t in triggers[name])]
+            if len(witnesses) >= 2 and len(spiked) >= share * len(witnesses) and len(spiked) >= 2:
+                out[tensor] = f"{len(spiked)} of {len(witnesses)} layers that run bf16"
+        return out
+
     def _judge(self, states: Sequence[LayerState], merged: MergedStep, guarded: Set[str]) -> Verdicts:
         """Each layer's :class:`ValveAction` and the triggers behind it."""
-        verdicts: Verdicts = {}
+        triggers_of: Dict[str, List[Trigger]] = {}
+        judged: Dict[str, Set[str]] = {}
         for state, m_act, m_grad in zip(states, merged.act, merged.grad):
             digest = merged.digests[state.name]
             if state.state is LayerStatus.PLANNED:
@@ -134,24 +171,37 @@ class SafetyValve:
             else:
                 ref_act, ref_grad = state.recovery_act, state.recovery_grad
             triggers: List[Trigger] = []
+            judged[state.name] = set()
             if m_act.rows:
                 triggers += check_shift("act", ref_act.summary() if ref_act is not None else None, digest.merged_act, self._config)
+                if ref_act is not None:
+                    judged[state.name].add("act")
             if m_grad.rows:
                 ref = ref_grad.summary() if ref_grad is not None and not ref_grad.is_empty else None
                 triggers += check_shift("grad", ref, digest.merged_grad, self._config)
+                if ref is not None:
+                    judged[state.name].add("grad")
             if digest.weight["nonfinite"]:
                 triggers.append(Trigger("weight", "nonfinite", float(digest.weight["nonfinite"]), 0.0, 0.0))
             # Name the recipes that spread an inf/NaN (tensorwise: the whole product turns NaN).
             kernels = getattr(state.module, "kernels", None)
-            triggers = [
+            triggers_of[state.name] = [
                 dataclasses.replace(t, spread=nonfinite_spread(t.tensor, kernels)) if t.signal == "nonfinite" else t
                 for t in triggers
             ]
+        batch = self._batch_events(states, triggers_of, judged, guarded)
+        verdicts: Verdicts = {}
+        for state, m_act in zip(states, merged.act):
+            triggers = [
+                dataclasses.replace(t, batch_event=batch[t.tensor]) if t.signal == "kurtosis_spike" and t.tensor in batch else t
+                for t in triggers_of[state.name]
+            ]
+            trips = any(t.trips for t in triggers)
             if state.state is LayerStatus.PLANNED:
                 # A layer that runs bf16 has nothing to fall back from; its triggers are only logged.
-                action = ValveAction.FALLBACK if triggers and state.name in guarded else ValveAction.OK
+                action = ValveAction.FALLBACK if trips and state.name in guarded else ValveAction.OK
             elif state.state is LayerStatus.FALLBACK:
-                action = ValveAction.RESTART if triggers else (ValveAction.RECOVER if m_act.count else ValveAction.IDLE)
+                action = ValveAction.RESTART if trips else (ValveAction.RECOVER if m_act.count else ValveAction.IDLE)
             else:
                 action = ValveAction.OK
             verdicts[state.name] = (action, [t.to_dict() for t in triggers])
