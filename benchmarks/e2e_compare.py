@@ -55,6 +55,10 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   Probe on: it learns, measures the candidates and plans at the end of its warm-up as in
   ``loka_compile``, and Dispatch's static mode keeps every GEMM in bf16: what the learning leaves
   behind in the steady state, apart from any kernel it changes;
+* ``bf16_nomods_compile_cudagraphs``, ``bf16_nomods_probed_compile_cudagraphs`` (not in the default
+  list): the user's model (no Mods) with LoKA on, every GEMM in bf16, fp32 comms, CUDA graphs, without
+  and with the Probe: what LoKA's layers and its learning cost a model beside ``plain_compile_cudagraphs``,
+  apart from any FP8 kernel;
 * ``bf16_nomods``: the plain model (``loka.enabled=false``), eager;
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's
   ``convert_to_float8_training`` with its own size filter (``baseline.auto_filter=true``) on the
@@ -192,6 +196,9 @@ _FP32_COMMS = ("loka.comms.forward=fp32", "loka.comms.backward=fp32")
 _BF16_AUTO_COMMS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
 _BF16 = (*_BF16_AUTO_COMMS, *_FP32_COMMS)
 _BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=all", *_FP32_COMMS)
+# The user's model (no Mods) with LoKA on and every GEMM in bf16, with and without the Probe.
+_BF16_NOMODS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=none", *_FP32_COMMS)
+_BF16_NOMODS_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=none", *_FP32_COMMS)
 # DDP's dense gradient all-reduce in bf16 (PyTorch's compression hook through TorchRec), for any run;
 # or auto: fp32 or bf16, whichever step is faster (checked after LoKA's own step-time decisions).
 _BF16_ALLREDUCE = ("train.dense_allreduce=bf16",)
@@ -235,6 +242,8 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16_compile", _BF16, compile="default"),
         RunSpec("bf16_compile_cudagraphs", _BF16, compile="reduce-overhead"),
         RunSpec("bf16_probed_compile_cudagraphs", _BF16_PROBED, compile="reduce-overhead"),
+        RunSpec("bf16_nomods_compile_cudagraphs", _BF16_NOMODS, compile="reduce-overhead"),
+        RunSpec("bf16_nomods_probed_compile_cudagraphs", _BF16_NOMODS_PROBED, compile="reduce-overhead"),
         RunSpec("bf16_auto_comms_compile", _BF16_AUTO_COMMS, compile="default"),
         RunSpec("bf16_auto_comms_compile_cudagraphs", _BF16_AUTO_COMMS, compile="reduce-overhead"),
         RunSpec("bf16_nomods", _PLAIN),
