@@ -52,7 +52,8 @@ import torch
 from torch.autograd import DeviceType
 
 from loka_job.training.comms_timeline import PhaseRanges, comms_breakdown
-from loka_torchrec.atomic_files import write_json_atomic
+from loka_job.training.host_sampler import HostSampler, format_host_report
+from loka_torchrec.atomic_files import write_json_atomic, write_text_atomic
 
 __all__ = [
     "CATEGORIES",
@@ -389,11 +390,14 @@ class StepProfiler:
         out_dir: the rank's folder.
         export_trace: also write the Chrome trace (large: tens of MB per step on a GPU model).
         top: how many kernel names the report's ``top_kernels`` lists.
+        host_stacks: also sample the training thread's Python stack over the window
+            (:class:`~loka_job.training.host_sampler.HostSampler`): ``<out_dir>/host_stacks.txt``
+            and the report's ``host_stacks``, where the host's time per step goes by function.
     """
 
     def __init__(
         self, first_step: int, num_steps: int, *, device: torch.device, out_dir: str, export_trace: bool = False,
-        top: int = TOP_KERNELS,
+        top: int = TOP_KERNELS, host_stacks: bool = False,
     ) -> None:
         if first_step < 1:
             raise ValueError(f"first_step: must be >= 1, got {first_step}")
@@ -407,6 +411,7 @@ class StepProfiler:
         self.top = top
         self.report: Optional[Dict[str, Any]] = None
         self._profile = None
+        self._sampler: Optional[HostSampler] = HostSampler() if host_stacks else None
         self._t0 = 0.0
         self._steps_done = 0
 
@@ -428,6 +433,8 @@ class StepProfiler:
         self._profile = profile(activities=activities)
         self._sync()  # earlier steps' kernels stay out of the window
         self._profile.start()
+        if self._sampler is not None:
+            self._sampler.start()
         self._t0 = time.perf_counter()
 
     def covers(self, step: int) -> bool:
@@ -451,6 +458,7 @@ class StepProfiler:
             return self.report
         self._sync()
         wall_ms = 1e3 * (time.perf_counter() - self._t0)
+        stacks = self._sampler.stop(max(1, self._steps_done)) if self._sampler is not None else None
         self._profile.stop()
         prof, self._profile = self._profile, None
         if self._steps_done == 0:
@@ -480,6 +488,10 @@ class StepProfiler:
         }
         if self.export_trace:
             self.report["trace"] = self._export_trace(prof)
+        if stacks is not None:
+            stacks_path = os.path.join(self.out_dir, "host_stacks.txt")
+            write_text_atomic(stacks_path, format_host_report(stacks))
+            self.report["host_stacks"] = {"file": stacks_path, **stacks}
         write_json_atomic(path, self.report)
         logger.info(
             "profile of steps %d..%d: %.2f ms/step of %s in %.2f ms/step wall, GEMMs %.1f%%, idle %.1f%%, "

@@ -137,6 +137,9 @@ class TrainConfig:
             are left out of the step-time statistics and the step-time guard.
         profile_trace: with profiling, also write the Chrome trace ``rank<r>/profile_trace.json``
             (large).
+        profile_host_stacks: with profiling, also sample the training thread's Python stack over
+            the profiled steps: ``rank<r>/host_stacks.txt``, the host's milliseconds per step by
+            function (what makes a host-bound step slower, which kernel profiles do not show).
         sharding_group_size: ``None``: plain ``DistributedModelParallel`` (tables sharded over all
             ranks). An int: TorchRec's ``DMPCollection`` (2D sparse parallelism, CUDA only): tables
             sharded over groups of this many ranks, replicated across the ``world_size //
@@ -224,6 +227,7 @@ class TrainConfig:
     profile_start: int = 0
     profile_steps: int = 5
     profile_trace: bool = False
+    profile_host_stacks: bool = False
     sharding_group_size: Optional[int] = None
     dense_allreduce: str = "fp32"
     dense_allreduce_check_steps: int = 10
@@ -261,7 +265,7 @@ class TrainConfig:
         for name in ("steps", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace", "fused_optimizer",
+        for name in ("deterministic", "step_sync", "progress_bar", "profile_trace", "profile_host_stacks", "fused_optimizer",
                      "require_verified_checkpoints", "export_serving"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"train.{name}: expected true or false, got {getattr(self, name)!r}")
@@ -516,7 +520,8 @@ class Trainer:
                            cfg.profile_start, self.start_step)  # fmt: skip
             return None
         return StepProfiler(
-            cfg.profile_start, cfg.profile_steps, device=self.ctx.device, out_dir=self.rank_dir, export_trace=cfg.profile_trace
+            cfg.profile_start, cfg.profile_steps, device=self.ctx.device, out_dir=self.rank_dir, export_trace=cfg.profile_trace,
+            host_stacks=cfg.profile_host_stacks,
         )
 
     # ------------------------------------------------------------------ loop
