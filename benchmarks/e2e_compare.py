@@ -1331,6 +1331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     deadline = start + args.max_seconds
     today = datetime.date.today().isoformat()
+    os.makedirs(args.out, exist_ok=True)  # the plot is written before the .json and .md
     base = os.path.join(args.out, f"{today}-{args.name}")
     runs_dir = os.path.abspath(args.runs_dir or f"{base}-runs")
     argv_list = list(argv) if argv is not None else sys.argv[1:]

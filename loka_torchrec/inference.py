@@ -29,8 +29,9 @@ current scaling or without compile has too. Every other layer stays dynamic, and
 The result holds only torch modules and aten ops in its forward, so ``torch.export`` captures it and
 a process without this project loads it (``torch.export.load``): see :func:`export_program`.
 
-Not yet: kernels chosen by timing at serving batch sizes, and the embedding tables (served by
-TorchRec's own inference path).
+With ``serving_rows``, a layer stays FP8 only where its forward, compiled, is faster at that many rows
+than in high precision (:mod:`loka_torchrec.inference_timing`). Not yet: the embedding tables (served
+by TorchRec's own inference path, e.g. its int8 tables from ``torchrec.inference.modules.quantize_embeddings``).
 """
 
 from __future__ import annotations

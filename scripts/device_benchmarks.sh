@@ -24,7 +24,10 @@
 # Settings (environment): E2E_STEPS (default 400), E2E_PROBE_WARMUP (default 100), E2E_NPROC (ranks per
 # e2e run, default 1: one per GPU of a multi-GPU machine; over NVLink as the machine is, or with
 # NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 over sockets), E2E_OVERRIDES
-# (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"), DENSE_ARGS
+# (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"; with
+# "train.profile_host_stacks=true" each run's rank0/host_stacks.txt says where the host's step time
+# goes, benchmarks/host_stacks_diff.py compares two), E2E_PROFILE_STEPS (profiled steps near each run's
+# end, default 5; not timed), DENSE_ARGS
 # (more arguments of dense_part_step.py, e.g. "--top-kernels 400"), INFERENCE_ARGS (more arguments of
 # inference_throughput.py, e.g. "--choose-at-batch"),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
@@ -65,7 +68,7 @@ case $stage in
     extra=(); for o in ${E2E_OVERRIDES:-}; do extra+=(--override "$o"); done
     python3 -P benchmarks/e2e_compare.py "${extra[@]}" --out "$WORK/results" --runs-dir "$WORK/runs" --name "$name" \
       --recipes "$recipes" --seeds "$seeds" --runs "$runs" --steps "$STEPS" --probe-warmup "$WARMUP" --nproc "${E2E_NPROC:-1}" \
-      --profile-start $(( STEPS - 12 )) --profile-steps 5 --run-timeout 300 --max-seconds $(( $(left) - 25 )) \
+      --profile-start $(( STEPS - ${E2E_PROFILE_STEPS:-5} - 7 )) --profile-steps "${E2E_PROFILE_STEPS:-5}" --run-timeout 300 --max-seconds $(( $(left) - 25 )) \
       > "$WORK/$name.log" 2>&1
     echo "=== e2e $name: rc=$?"
     tail -n 30 "$WORK/$name.log"
