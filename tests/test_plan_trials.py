@@ -39,12 +39,20 @@ def test_the_fastest_candidate_is_kept_and_bf16_when_none_is_faster():
     slower.record(10.0, 10.3, tolerance=0.02)
     slower.record(10.0, 10.5, tolerance=0.02)
     assert slower.chosen == BF16_CHOSEN and "returned to bf16" in slower.describe()
+    # Within the tolerance a candidate ties with bf16, faster or slower, and bf16 wins the tie.
     within = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
-    within.record(10.0, 10.1, tolerance=0.02)  # inside the tolerance: not slower
+    within.record(10.0, 9.85, tolerance=0.02)  # 1.5% faster: a tie
     within.record(10.0, 10.15, tolerance=0.02)
-    assert within.chosen == 0
+    assert within.chosen == BF16_CHOSEN
+    assert "no candidate plan beat 10.00 ms in bf16 by more than 2% (layer-checked 9.85 ms, accuracy-gated 10.15 ms)" in within.describe()
     with pytest.raises(RuntimeError, match="every candidate was tried"):
         within.record(10.0, 9.0, tolerance=0.02)
+    beyond = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))))
+    beyond.record(10.0, 9.75, tolerance=0.02)  # 2.5% faster: beyond the tolerance
+    beyond.record(10.0, 9.9, tolerance=0.02)
+    assert beyond.chosen == 0
+    resumed = PlanTrials.from_dict(within.to_dict())
+    assert resumed.tolerance == 0.02 and resumed.describe() == within.describe()
 
 
 def test_candidates_without_fp8_or_repeated_are_dropped():

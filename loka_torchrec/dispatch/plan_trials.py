@@ -22,8 +22,12 @@ first:
 Plans without an FP8 GEMM, and a plan equal to an earlier one, are dropped. Each candidate runs
 for one window of the step-time guard (:mod:`loka_torchrec.dispatch.step_guard`: a few settling
 steps, then ``window`` timed steps, against the bf16 steps before the plan); when every candidate
-has its median, the fastest one that is not slower than bf16 (within the guard's tolerance) is
-kept, else every GEMM returns to bf16. The gradient check runs on the broadest candidate and what
+has its median, the fastest one is kept if it beats bf16 by more than the guard's tolerance, else
+every GEMM returns to bf16. Within the tolerance the two are a tie, and bf16 wins a tie: it adds no
+FP8 error, and on a step bound by the host (where FP8 GEMMs cannot shorten the step) the medians
+of two windows differ by a percent or two whatever runs. An eager plan's guard keeps FP8 within its
+tolerance instead (:mod:`loka_torchrec.dispatch.step_guard`): there the layer check has timed each FP8
+layer as it runs; compiled, only the step shows a gain. The gradient check runs on the broadest candidate and what
 it sends back to bf16 is sent back in every candidate (:meth:`PlanTrials.demote_like`).
 
 :class:`PlanTrials` is bookkeeping only; the
@@ -44,7 +48,7 @@ __all__ = ["PlanTrials", "candidate_plans", "ranked_plans", "LAYER_CHECKED", "AC
 LAYER_CHECKED = "layer-checked"
 ACCURACY_GATED = "accuracy-gated"
 BF16_CHOSEN = -1
-""":attr:`PlanTrials.chosen` when no candidate was faster than bf16."""
+""":attr:`PlanTrials.chosen` when no candidate beat bf16 by more than the tolerance."""
 
 
 @dataclasses.dataclass
@@ -58,12 +62,14 @@ class PlanTrials:
             with it (``None`` while not tried).
         index: the candidate on trial now (``len(candidates)`` once all are tried).
         chosen: the kept candidate's index, :data:`BF16_CHOSEN`, or ``None`` while trials go on.
+        tolerance: the margin by which a candidate must beat bf16 (a share of bf16's median), as
+            :meth:`record` last had it.
 
     Example::
 
         >>> from loka_torchrec.dispatch.plan import DispatchPlan
         >>> trials = PlanTrials.of([(LAYER_CHECKED, DispatchPlan({}, "policy")), (ACCURACY_GATED, DispatchPlan({}, "policy", step=1))])
-        >>> trials.record(20.0, 19.0, tolerance=0.02)  # the layer-checked plan: 19 ms against 20 ms in bf16
+        >>> trials.record(20.0, 19.0, tolerance=0.02)  # the layer-checked plan: 19 ms against 20 ms in bf16 (5% faster)
         >>> trials.record(20.0, 17.0, tolerance=0.02)  # the accuracy-gated plan: faster still
         >>> trials.chosen, trials.describe()
         (1, 'plan trials kept the accuracy-gated plan: median step 17.00 ms against 20.00 ms in bf16 (layer-checked 19.00 ms)')
@@ -74,6 +80,7 @@ class PlanTrials:
     medians: List[Optional[Tuple[float, float]]]
     index: int = 0
     chosen: Optional[int] = None
+    tolerance: float = 0.0
 
     @classmethod
     def of(cls, labelled: Sequence[Tuple[str, DispatchPlan]]) -> "PlanTrials":
@@ -98,19 +105,23 @@ class PlanTrials:
         return max(self.candidates, key=lambda p: p.fp8_gemm_count())
 
     def record(self, bf16_ms: float, fp8_ms: float, *, tolerance: float) -> None:
-        """The guard's medians for the candidate on trial; after the last one, choose."""
+        """The guard's medians for the candidate on trial; after the last one, choose (the fastest
+        candidate if it beats bf16 by more than ``tolerance``, a share of bf16's median)."""
         if self.chosen is not None:
             raise RuntimeError("plan trials: every candidate was tried already")
+        self.tolerance = float(tolerance)
         self.medians[self.index] = (float(bf16_ms), float(fp8_ms))
         self.index += 1
         if self.index == len(self.candidates):
             self.chosen = self._fastest(tolerance)
 
     def _fastest(self, tolerance: float) -> int:
-        kept = [
-            (m[1], i) for i, m in enumerate(self.medians) if m is not None and m[1] <= m[0] * (1.0 + tolerance)
-        ]
-        return min(kept)[1] if kept else BF16_CHOSEN
+        tried = [(m[1], i) for i, m in enumerate(self.medians) if m is not None]
+        if not tried:
+            return BF16_CHOSEN
+        fp8_ms, best = min(tried)
+        bf16_ms = self.medians[best][0]
+        return best if fp8_ms < bf16_ms * (1.0 - tolerance) else BF16_CHOSEN
 
     def demote_like(self, original: DispatchPlan, checked: DispatchPlan) -> None:
         """Where ``checked`` (the gradient check's result for ``original``) sent an FP8 role back to
@@ -133,7 +144,8 @@ class PlanTrials:
         bf16_ms = tried[0][1][0]
         if self.chosen == BF16_CHOSEN:
             each = ", ".join(f"{label} {m[1]:.2f} ms" for label, m in tried)
-            return f"plan trials returned to bf16: no candidate plan was faster than {bf16_ms:.2f} ms in bf16 ({each})"
+            return (f"plan trials returned to bf16: no candidate plan beat {bf16_ms:.2f} ms in bf16 by more than "
+                    f"{100 * self.tolerance:g}% ({each})")
         if self.chosen is None:
             label, m = tried[-1]
             return f"plan trials: the {label} plan ran a median step of {m[1]:.2f} ms against {bf16_ms:.2f} ms in bf16"
@@ -152,6 +164,7 @@ class PlanTrials:
             "medians": [None if m is None else list(m) for m in self.medians],
             "index": self.index,
             "chosen": self.chosen,
+            "tolerance": self.tolerance,
         }
 
     @classmethod
@@ -162,6 +175,7 @@ class PlanTrials:
             [None if m is None else (float(m[0]), float(m[1])) for m in d["medians"]],
             int(d["index"]),
             None if d.get("chosen") is None else int(d["chosen"]),
+            float(d.get("tolerance", 0.0)),  # trials saved before the tolerance was kept: 0
         )
 
 
