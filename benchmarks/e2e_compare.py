@@ -158,6 +158,9 @@ COMPILED_REFERENCES = ("bf16_compile", "bf16_compile_cudagraphs")
 # The same architecture in bf16 with LoKA's embedding comms: the step between the two references and
 # LoKA's run in the split of LoKA's gain (section "Where LoKA's gain comes from").
 AUTO_COMMS_REFERENCES = ("bf16_auto_comms_compile", "bf16_auto_comms_compile_cudagraphs")
+# The same architecture for LoKA's runs without Mods: the user's model with LoKA on and every GEMM
+# bf16 (no Probe, fp32 comms). Where it ran, those runs' "same architecture" speed-ups are against it.
+NOMODS_REFERENCES = ("bf16_nomods_compile_cudagraphs",)
 FALLBACK_REFERENCE = "bf16"
 # NE differences are to the first of these that completed for the same seed (same data; the plain
 # model is LoKA's architecture where LoKA runs without Mods).
@@ -317,6 +320,15 @@ def plan_trial_steps() -> int:
 def probes(spec: RunSpec) -> bool:
     """Whether the run learns with the Probe (and plans at the end of its warm-up)."""
     return "loka.probe.enabled=true" in spec.overrides
+
+
+def without_mods(run: str) -> bool:
+    """Whether ``run`` is LoKA on the user's model unchanged (``loka.mods.preset=none``): its same
+    architecture in bf16 is :data:`NOMODS_REFERENCES`, not the Mods' ``bf16_compile*``."""
+    if not _is_run(run):
+        return False
+    overrides = run_spec(run).overrides
+    return "loka.enabled=true" in overrides and "loka.mods.preset=none" in overrides
 
 
 def run_spec(name: str) -> RunSpec:
@@ -753,13 +765,16 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
     for recipe in recipes:
         refs = speed_references(records, recipe)
         user_refs = speed_references(records, recipe, USER_JOB_REFERENCES, None)
+        nomods_refs = speed_references(records, recipe, NOMODS_REFERENCES, None)
         eager = {s: r for s, r in _ok(records, recipe, FALLBACK_REFERENCE).items() if r.get("median_step_ms")}
         ne_ref: Dict[int, Dict[str, Any]] = {}
         for name in reversed(NE_REFERENCES):  # the first name that completed wins
             ne_ref.update(_ok(records, recipe, name))
         reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
         user_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in user_refs.items()}
+        nomods_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in nomods_refs.items()}
         for run in runs:
+            own_refs = nomods_refs if without_mods(run) and nomods_refs else refs
             mine = [r for r in records if r["recipe"] == recipe and r["run"] == run]
             ok = [r for r in mine if r["status"] == "ok"]
             row: Dict[str, Any] = {
@@ -769,7 +784,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
                 "seeds_ok": [r["seed"] for r in ok],
                 "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
-                "speed_reference": reference,
+                "speed_reference": nomods_reference if own_refs is nomods_refs else reference,
                 "user_job_reference": user_reference,
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
@@ -786,7 +801,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
             ]
             row["ne_vs_bf16_pct"] = _mean(diffs)
             row["ne_vs_bf16_pct_range"] = [min(diffs), max(diffs)] if diffs else None
-            row["speedup_vs_reference"] = _speedup(ok, refs)
+            row["speedup_vs_reference"] = _speedup(ok, own_refs)
             row["speedup_vs_user_job"] = _speedup(ok, user_refs)
             comms = sorted({r["comms"] for r in ok if r.get("comms")})
             row["comms"] = "; ".join(comms) if comms else None
@@ -913,10 +928,21 @@ def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) ->
         user = speed_references(records, recipe, USER_JOB_REFERENCES, None)
         same = speed_references(records, recipe, COMPILED_REFERENCES, None)
         comms = speed_references(records, recipe, AUTO_COMMS_REFERENCES, None)
+        loka_bf16 = speed_references(records, recipe, NOMODS_REFERENCES, None)
         loka_runs = sorted({r["run"] for r in records if r["recipe"] == recipe and _is_run(r["run"]) and probes(run_spec(r["run"]))
                             and not r["run"].startswith("bf16")})  # fmt: skip
-        rows = []
+        rows, nomods_rows = [], []
         for run in loka_runs:
+            if without_mods(run) and loka_bf16:  # no Mods: the user's model with LoKA's layers in bf16, then LoKA
+                for seed, loka in sorted(_ok(records, recipe, run).items()):
+                    if seed not in user or not loka.get("median_step_ms"):
+                        continue
+                    moves = (_ratio(user.get(seed), loka_bf16.get(seed)), _ratio(loka_bf16.get(seed), loka))
+                    nomods_rows.append(
+                        f"| {run} | {seed} | {_ms_cell(user.get(seed))} | {_ms_cell(loka_bf16.get(seed))} | {loka['median_step_ms']:.2f} | "
+                        + " | ".join(_times(m) for m in moves) + f" | {_times(_ratio(user.get(seed), loka))} |"
+                    )
+                continue
             for seed, loka in sorted(_ok(records, recipe, run).items()):
                 if seed not in user or not loka.get("median_step_ms"):
                     continue
@@ -926,12 +952,20 @@ def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) ->
                     f"| {loka['median_step_ms']:.2f} | " + " | ".join(_times(m) for m in moves)
                     + f" | {_times(_ratio(user.get(seed), loka))} |"
                 )
+        if rows or nomods_rows:
+            lines += [f"### {recipe}", ""]
         if rows:
             lines += [
-                f"### {recipe}", "",
                 "| LoKA run | seed | user's job ms | + Mods (bf16, fp32 comms) ms | + LoKA's comms ms | + FP8 GEMMs (LoKA) ms "
                 "| Mods | comms | FP8 GEMMs | all, vs user's job |",
                 "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+            ]  # fmt: skip
+        if nomods_rows:
+            lines += [
+                "LoKA without Mods, in two moves: LoKA on the user's model with every GEMM in bf16 (`bf16_nomods_compile_cudagraphs`: "
+                "what LoKA's layers cost, fp32 comms), then LoKA's run (its comms and FP8 GEMMs).", "",
+                "| LoKA run | seed | user's job ms | LoKA in bf16 ms | LoKA ms | LoKA's layers in bf16 | comms and FP8 GEMMs | all, vs user's job |",
+                "|---|---|---|---|---|---|---|---|", *nomods_rows, "",
             ]  # fmt: skip
     if not lines:
         return []
@@ -1169,7 +1203,8 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"references named under each recipe: the user's job (`{'` or `'.join(USER_JOB_REFERENCES)}`, the faster: the "
         "model unchanged, LoKA off, TorchRec's own comms, compiled), the same architecture in bf16 (the faster of "
         f"`{'` and `'.join(COMPILED_REFERENCES)}`, `{FALLBACK_REFERENCE}` if neither completed: Mods on, every GEMM "
-        f"bf16, embedding comms fixed at fp32), and eager `{FALLBACK_REFERENCE}`",
+        f"bf16, embedding comms fixed at fp32; for LoKA's runs without Mods `{NOMODS_REFERENCES[0]}` where it ran: "
+        f"the user's model with LoKA on, every GEMM bf16), and eager `{FALLBACK_REFERENCE}`",
         "- comms: the embedding all-to-all precisions in force (forward, backward) and how `auto` chose them "
         "(LoKA's runs; the others run TorchRec's own fp32 comms)",
         f"- NE vs bf16: relative difference of the final eval NE to the first of `{'`, `'.join(NE_REFERENCES)}` "
@@ -1186,12 +1221,15 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     extra_head = " GEMM % | 2x ceiling |" if profiled else ""
     for recipe in a["recipes"]:
         mine = [r for r in rows if r["recipe"] == recipe]
-        reference = mine[0]["speed_reference"] if mine else {}
+        with_mods = [r for r in mine if not without_mods(r["run"])]
+        reference = (with_mods or mine)[0]["speed_reference"] if mine else {}
         user_reference = mine[0].get("user_job_reference", {}) if mine else {}
+        nomods = next((r["speed_reference"] for r in mine if without_mods(r["run"]) and r["speed_reference"] is not reference), None)
         lines += [
             f"## {recipe}",
             "",
-            f"User's job: {reference_words(user_reference)}. Same architecture in bf16: {reference_words(reference)}.",
+            f"User's job: {reference_words(user_reference)}. Same architecture in bf16: {reference_words(reference)}."
+            + (f" For LoKA's runs without Mods (the user's model): {reference_words(nomods)}." if nomods else ""),
             "",
             "| run | compile | status | step ms median [p10, p90], mean | vs user's job + compile | vs same-arch bf16 + compile "
             "| vs eager bf16 | QPS | peak GiB (timed window) | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 | comms |" + extra_head,

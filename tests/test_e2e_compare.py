@@ -391,6 +391,41 @@ def test_the_users_unchanged_job_is_a_reference_of_its_own():
     assert "loka.mods.preset=none" in e2e.run_spec("loka_nomods_compile_default").overrides
 
 
+def test_lokas_runs_without_mods_are_judged_against_lokas_bf16_on_the_users_model():
+    """Where ``bf16_nomods_compile_cudagraphs`` ran, LoKA's runs without Mods have it as their same
+    architecture in bf16 (the Mods' bf16_compile* stays the reference of the runs with Mods); the report
+    names both, and the gain split walks user's job -> LoKA in bf16 -> LoKA for those runs."""
+    e2e = _driver()
+    assert e2e.without_mods("loka_nomods_compile") and e2e.without_mods("bf16_nomods_compile_cudagraphs")
+    assert not e2e.without_mods("loka_compile") and not e2e.without_mods("plain_compile") and not e2e.without_mods("nope")
+    records = [
+        _rec("plain_compile_cudagraphs", 0, 11.0, 0.80), _rec("bf16_compile_cudagraphs", 0, 10.0, 0.80),
+        _rec("bf16_nomods_compile_cudagraphs", 0, 12.5, 0.80), _rec("loka_nomods_compile", 0, 12.0, 0.80),
+        _rec("loka_compile", 0, 8.0, 0.80),
+    ]  # fmt: skip
+    runs = [r["run"] for r in records]
+    rows = {r["run"]: r for r in e2e.aggregate(records, ["r"], runs)}
+    assert rows["loka_nomods_compile"]["speedup_vs_reference"] == pytest.approx(12.5 / 12.0)
+    assert rows["loka_nomods_compile"]["speed_reference"] == {0: {"run": "bf16_nomods_compile_cudagraphs", "median_step_ms": 12.5}}
+    assert rows["loka_compile"]["speedup_vs_reference"] == pytest.approx(10.0 / 8.0)
+    assert rows["plain_compile_cudagraphs"]["speedup_vs_reference"] == pytest.approx(10.0 / 11.0)
+    meta = {"date": "d", "device": "H200", "versions": {"torch": "2.11"}, "command": "c", "seconds": 1.0,
+            "settings": {"nproc": 1, "device": "cuda", "steps": 400, "window_start": 255, "autocast": "bf16",
+                         "seeds": [0], "recipes": ["r"]}}  # fmt: skip
+    md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
+    assert ("Same architecture in bf16: seed 0: `bf16_compile_cudagraphs` (10.00 ms). For LoKA's runs without Mods "
+            "(the user's model): seed 0: `bf16_nomods_compile_cudagraphs` (12.50 ms).") in md
+    lines = e2e.gain_split_section(records, ["r"])
+    row = next(line for line in lines if line.startswith("| loka_nomods_compile | 0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:5] == ["11.00 (`plain_compile_cudagraphs`)", "12.50 (`bf16_nomods_compile_cudagraphs`)", "12.00"]
+    assert [float(c.rstrip("x")) for c in cells[5:8]] == pytest.approx([11 / 12.5, 12.5 / 12, 11 / 12], abs=1e-3)
+    assert any(line.startswith("| loka_compile | 0 |") for line in lines)  # the run with Mods keeps its three moves
+    # Without LoKA's bf16 run, the runs without Mods fall back to the one reference, as before.
+    rows = {r["run"]: r for r in e2e.aggregate([r for r in records if r["run"] != "bf16_nomods_compile_cudagraphs"], ["r"], runs)}
+    assert rows["loka_nomods_compile"]["speedup_vs_reference"] == pytest.approx(10.0 / 12.0)
+
+
 def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
     e2e = _driver()
     profile = {"steps": [290, 294], "source": "cuda kernels", "wall_ms_per_step": 9.0, "kernel_ms_per_step": 8.0,
