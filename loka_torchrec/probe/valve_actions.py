@@ -142,7 +142,9 @@ class SafetyValve:
             logger.warning("Probe: step %d: %s", step, reason)
             self._reports.event(step, None, "batch_event", reason, layers=sorted(layers))
 
-    def _batch_events(self, states: Sequence[LayerState], triggers: Dict[str, List[Trigger]], judged: Dict[str, Set[str]], guarded: Set[str]) -> Dict[str, str]:
+    def _batch_events(
+        self, states: Sequence[LayerState], triggers: Dict[str, List[Trigger]], judged: Dict[str, Set[str]], guarded: Set[str]
+    ) -> Dict[str, str]:
         """Tensor (``"act"``, ``"grad"``) -> who else showed its kurtosis spike, where enough of the
         layers running bf16 by plan show it (``batch_event_share``, at least two of them).
 
