@@ -274,7 +274,7 @@ def _layers(model):
     return {"fc1": model[0], "fc2": model[2], "fc3": model[4], "fc4": model[6]}
 
 
-def test_a_kurtosis_spike_that_the_bf16_layers_show_too_is_a_batch_event_and_trips_nothing(tmp_path, caplog):
+def test_a_kurtosis_spike_that_the_bf16_layers_show_too_is_a_batch_event_and_trips_nothing(tmp_path, caplog, capsys):
     model = _deep_mlp()
     dispatch = FakeDispatch(_layers(model), guarded=["fc1"])  # fc2..fc4 run bf16 by plan
     cb = ProbeCallback(model, CFG, run_dir=str(tmp_path), consumer=dispatch)
@@ -292,6 +292,11 @@ def test_a_kurtosis_spike_that_the_bf16_layers_show_too_is_a_batch_event_and_tri
     (event,) = [e for e in summary["events"] if e["event"] == "batch_event" and e["reason"].startswith("act")]
     assert event["layer"] is None and "fc1" in event["layers"] and "no layer trips" in event["reason"]
     assert any("the batch's, not FP8's" in r.message for r in caplog.records)
+    from loka_torchrec.probe.inspect import main as inspect_main
+
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path)]) == 0  # loka-inspect's safety valve line counts them
+    assert "batch event(s), spikes the bf16 layers shared, tripped nothing (step 6)" in capsys.readouterr().out
 
 
 def test_the_same_spike_trips_when_the_valve_is_told_that_every_spike_trips(tmp_path):

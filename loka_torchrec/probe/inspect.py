@@ -216,10 +216,13 @@ def _valve_text(view: RunView) -> str:
     held = {n: h for n, h in view.status.held.items() if n not in guard}
     count = "" if trips is None else f" ({trips} trip(s) so far)"
     by_guard = f"; the step-time guard holds {len(guard)} readmitted layer(s): {_names(sorted(guard))}" if guard else ""
+    steps = sorted({e["step"] for e in view.batch_events if e.get("step") is not None})
+    batch = (f"; {len(view.batch_events)} batch event(s), spikes the bf16 layers shared, tripped nothing"
+             f" (step {_names([str(s) for s in steps])})") if view.batch_events else ""  # fmt: skip
     if not held:
-        return f"safety valve: holds no layer{count}{by_guard}"
+        return f"safety valve: holds no layer{count}{by_guard}{batch}"
     since = [f"{name} (step {h['step']})" if h.get("step") is not None else name for name, h in held.items()]
-    return f"safety valve: holds {len(held)} layer(s) in bf16: {_names(since)}{count}{by_guard}"
+    return f"safety valve: holds {len(held)} layer(s) in bf16: {_names(since)}{count}{by_guard}{batch}"
 
 
 def _guard_text(view: RunView) -> str:

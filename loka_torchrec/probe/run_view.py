@@ -87,6 +87,8 @@ class RunView:
         max_noise_ratio: the grad-weight noise-ratio gate of the plan (0: none).
         events: the dispatch events (``None``: no ``dispatch_events.jsonl``).
         status: what is in force (:class:`~loka_torchrec.probe.run_status.RunStatus`).
+        batch_events: the spikes the safety valve judged to be the batch's and tripped nothing on
+            (``summary.json``'s ``batch_event`` events; none without the summary).
     """
 
     run_dir: Path
@@ -100,6 +102,7 @@ class RunView:
     max_noise_ratio: float = 0.0
     events: Optional[List[Dict[str, Any]]] = None
     status: RunStatus = dataclasses.field(default_factory=lambda: run_status({}, None, {}))
+    batch_events: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def filtered(self, pattern: Optional[str]) -> Dict[str, Dict[str, Any]]:
         """Layers whose FQN matches the glob ``pattern`` (all when ``None``)."""
@@ -260,6 +263,7 @@ def load_run(run_dir: "str | Path", *, rank: Optional[int] = None, max_error: Op
     return RunView(
         run_dir, source, layers, ranks, plan, err_gate, spd_gate, problems, noise_gate if math.isfinite(noise_gate) else 0.0,
         events=events, status=run_status(plan, events, layers),
+        batch_events=[e for e in (summary or {}).get("events") or [] if isinstance(e, dict) and e.get("event") == "batch_event"],
     )  # fmt: skip
 
 
