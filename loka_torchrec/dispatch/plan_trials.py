@@ -25,7 +25,7 @@ steps, then ``window`` timed steps, against the bf16 steps before the plan); whe
 has its median, the fastest one is kept if it beats bf16 by more than the guard's tolerance, else
 every GEMM returns to bf16. Within the tolerance the two are a tie, and bf16 wins a tie: it adds no
 FP8 error, and on a step bound by the host (where FP8 GEMMs cannot shorten the step) the medians
-of two windows differ by a percent or two whatever runs. An eager plan's guard keeps FP8 within
+of two windows differ by noise alone, whatever runs. An eager plan's guard keeps FP8 within
 its tolerance instead (:mod:`loka_torchrec.dispatch.step_guard`): there the layer check has timed
 each FP8 layer as it runs; compiled, only the step shows a gain. The gradient check runs on the
 broadest candidate and what it sends back to bf16 is sent back in every candidate
