@@ -785,6 +785,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
                 "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
                 "speed_reference": nomods_reference if own_refs is nomods_refs else reference,
+                "speed_reference_without_mods": own_refs is nomods_refs,  # LoKA's bf16 on the user's model
                 "user_job_reference": user_reference,
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
@@ -1221,10 +1222,10 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     extra_head = " GEMM % | 2x ceiling |" if profiled else ""
     for recipe in a["recipes"]:
         mine = [r for r in rows if r["recipe"] == recipe]
-        with_mods = [r for r in mine if not without_mods(r["run"])]
+        with_mods = [r for r in mine if not r.get("speed_reference_without_mods")]
         reference = (with_mods or mine)[0]["speed_reference"] if mine else {}
         user_reference = mine[0].get("user_job_reference", {}) if mine else {}
-        nomods = next((r["speed_reference"] for r in mine if without_mods(r["run"]) and r["speed_reference"] is not reference), None)
+        nomods = next((r["speed_reference"] for r in mine if r.get("speed_reference_without_mods")), None)
         lines += [
             f"## {recipe}",
             "",

@@ -24,7 +24,7 @@ import enum
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["GemmRole", "GemmShape", "KernelChoice", "Interval", "CandidateEvidence", "BF16"]
+__all__ = ["GemmRole", "GemmShape", "KernelChoice", "Interval", "CandidateEvidence", "BF16", "GUARD_HOLD"]
 
 
 class GemmRole(str, enum.Enum):
@@ -84,6 +84,11 @@ class KernelChoice:
 
 BF16 = KernelChoice("bf16", "hp")
 """The high-precision baseline (bf16 on CUDA; the model's own dtype, e.g. fp32, on CPU)."""
+
+GUARD_HOLD = "step-time guard:"
+"""How the reason of a ``fallback`` starts where the step-time guard, not the safety valve, holds a layer
+in bf16: one the valve readmitted whose return made the step slower (the valve does not readmit it
+again). Dispatch writes it, the Probe's run view reads it from ``dispatch_events.jsonl``."""
 
 
 @dataclasses.dataclass(frozen=True)

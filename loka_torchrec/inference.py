@@ -218,7 +218,8 @@ def inference_modules(
             its high-precision form at that many rows (:mod:`loka_torchrec.inference_timing`: on CUDA
             both compiled and replayed in a CUDA graph; layers of one shape and kernel are timed
             once) and stays FP8 only where high precision's 25th percentile over FP8's 75th reaches
-            ``min_speedup``; the others run in high precision, with both times in the reason. ``None``: every layer training runs in FP8 serves in FP8.
+            ``min_speedup``; the others run in high precision, with both times in the reason.
+            ``None``: every layer training runs in FP8 serves in FP8.
         min_speedup: that gate (default 1.0: not slower).
         timer: replaces :func:`~loka_torchrec.inference_timing.time_serving_forward` (tests).
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
-from loka_torchrec.evidence import BF16, CandidateEvidence, GemmRole, KernelChoice
+from loka_torchrec.evidence import BF16, GUARD_HOLD, CandidateEvidence, GemmRole, KernelChoice
 
 __all__ = ["RoleDecision", "LayerPlan", "DispatchPlan", "InForce", "HELD_BY", "GUARD_HOLD", "PLAN_FORMAT_VERSION"]
 
@@ -28,9 +28,6 @@ PLAN_FORMAT_VERSION = 1
 
 HELD_BY = ("safety valve", "step-time guard", "kernel cannot run here")
 """What can hold a GEMM in bf16 that its plan has in FP8 (:attr:`InForce.held`)."""
-GUARD_HOLD = "step-time guard:"
-"""How the reason starts where the step-time guard, not the safety valve, holds a layer the valve
-readmitted in bf16 (the step was slower with it; the valve does not readmit it again)."""
 
 
 def _count(choices: Iterable[KernelChoice]) -> Dict[str, int]:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from loka_torchrec.comms.choice import CommsChoice
 from loka_torchrec.probe.logs import to_jsonable
-from loka_torchrec.probe.run_status import GUARD_HOLD
+from loka_torchrec.evidence import GUARD_HOLD
 from loka_torchrec.probe.run_view import ROLES, RunDirError, RunView, best_candidate, load_run, rank_comparison
 from loka_torchrec.probe.text_table import as_float, number, render_table
 from loka_torchrec.probe.why import find_layer, why_lines

@@ -15,15 +15,13 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from loka_torchrec.evidence import GUARD_HOLD
 from loka_torchrec.probe.text_table import as_float
 
 __all__ = ["RunStatus", "run_status", "ROLES", "NEVER_RAN"]
 
 ROLES = ("fwd", "dgrad", "wgrad")
 NEVER_RAN = "never ran"
-GUARD_HOLD = "step-time guard:"
-"""How a ``fallback`` event's reason starts where the step-time guard, not the safety valve, holds the
-layer (a readmission that made the step slower; the format of ``dispatch_events.jsonl``)."""
 
 
 def _is_fp8(choice: str) -> bool:
