@@ -876,8 +876,10 @@ def host_section(records: List[Dict[str, Any]]) -> List[str]:
     lines = [
         "## The host during the timed steps",
         "",
-        "Per step of the timed window (profiled steps included): time the loop waited for a batch, CPU time of the "
-        "training thread and of the whole process (ms; the difference is other threads'), the training thread's "
+        "Per training step of the timed window (profiled steps with the profiler's own work, evaluations and "
+        "checkpoints left out): time the loop waited for a batch, CPU time of the training thread and of the whole "
+        "process (ms; the difference is other threads'; CUDA spins while the host waits for the GPU, so a thread that "
+        "waits for its kernels counts that wait as CPU time), the training thread's "
         "context switches (voluntary / involuntary: preempted), the process's threads at the window's end, Python's "
         "garbage collections (generations 0 / 1 / 2), the CUDA allocator's calls to the driver (`cudaMalloc` / "
         "`cudaFree`) and allocation retries. CUDA graphs: at the run's end, graphs recorded / recordings after the "

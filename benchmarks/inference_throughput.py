@@ -170,8 +170,13 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     reference = build(args.preset, device, dtype)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.machine()}"
+    meta = {"date": datetime.date.today().isoformat(), "device": device_name, "versions": _versions(),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "preset": args.preset}  # fmt: skip
     rows: List[Dict[str, object]] = []
-    for run in args.runs:
+    for done, run in enumerate(args.runs):
+        # The files are written before each run as well: a run cut short (a deadline) leaves the finished ones.
+        write_results(args.out, {**meta, "unfinished": list(args.runs[done:])}, rows)
         per_batch = args.choose_at_batch and run.startswith("loka_")  # FP8 where faster at each batch size
         try:
             model = make(run, args, device, dtype, serving_rows=args.batch_sizes[0] if per_batch else None)
@@ -195,12 +200,14 @@ def main(argv=None) -> int:
             print(f"[inference] {run} batch {batch}: {row['median_ms']:.3f} ms, {row['rows_per_s']:.0f} rows/s, "
                   f"{agreement:.1f} dB vs bf16", flush=True)  # fmt: skip
         del model
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.machine()}"
-    meta = {"date": datetime.date.today().isoformat(), "device": device_name, "versions": _versions(),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "preset": args.preset}  # fmt: skip
-    write_text_atomic(f"{args.out}.json", json.dumps(to_jsonable({**meta, "rows": rows}), indent=1, allow_nan=False) + "\n")
-    write_text_atomic(f"{args.out}.md", markdown(meta, rows))
+    write_results(args.out, {**meta, "unfinished": []}, rows)
     return 0
+
+
+def write_results(out: str, meta: Dict[str, object], rows: List[Dict[str, object]]) -> None:
+    """``<out>.json`` and ``<out>.md``, each replaced whole (atomic)."""
+    write_text_atomic(f"{out}.json", json.dumps(to_jsonable({**meta, "rows": rows}), indent=1, allow_nan=False) + "\n")
+    write_text_atomic(f"{out}.md", markdown(meta, rows))
 
 
 def markdown(meta: Dict[str, object], rows: List[Dict[str, object]]) -> str:
@@ -212,6 +219,7 @@ def markdown(meta: Dict[str, object], rows: List[Dict[str, object]]) -> str:
         f"# Inference of the DHEN `{meta['preset']}` dense part, {meta['date']}", "",
         f"- device: {meta['device']}; versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
         f"- command: `{meta['command']}`",
+        *([f"- not finished (the process ended first): {', '.join(meta['unfinished'])}"] if meta.get("unfinished") else []),
         "- per call, forward only (`torch.inference_mode`); speed-up: the fastest bf16 run's median at that batch over the run's;"
         " SQNR: the logits against eager bf16's on the same batch", "",
         "| run | batch | median ms | p99 ms | rows/s | vs fastest bf16 | SQNR vs bf16 dB | FP8 |",

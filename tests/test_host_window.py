@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from loka_job.training.host_window import TimedBatches, host_counters, per_step
+from loka_job.training.host_window import HostWindow, TimedBatches, host_counters, per_step
 
 
 def _slow(n, seconds):
@@ -51,6 +51,33 @@ def test_cpu_time_of_the_training_thread_and_of_other_threads():
     # counter too, the process would need 250 ms, which it did not use).
     assert counts["thread_cpu_ms"] >= 50
     assert counts["process_cpu_ms"] >= counts["thread_cpu_ms"] + 100
+
+
+def test_a_window_leaves_out_the_stretches_that_are_not_training_steps():
+    """A profiled stretch (its steps and the work after them) and an evaluation are not counted: the
+    window's CPU time per step is the training steps' alone, over the steps not left out."""
+    batches = TimedBatches(_slow(10, 0.0))
+    window = HostWindow(batches, "cpu")
+    window.leave_out()  # not open yet: nothing to leave out
+    window.take_back(steps=3)
+    window.open()
+    assert window.is_open and window.per_step is None
+    _spin(0.04)  # 2 training steps
+    window.leave_out()
+    _spin(0.3)  # 2 profiled steps and the profiler's work
+    window.take_back(steps=2)
+    _spin(0.04)  # 2 training steps
+    window.leave_out()
+    _spin(0.3)  # an evaluation
+    window.take_back()
+    window.close(steps=6)
+    counts = window.per_step
+    assert not window.is_open
+    # 80 ms of training over 4 counted steps: 20 ms each and a little more (the counters' own work),
+    # far from the 170 ms per step a window that counted everything over 6 steps would say
+    assert 20 <= counts["thread_cpu_ms"] < 40
+    window.close(steps=6)  # closed once: the second call changes nothing
+    assert window.per_step is counts
 
 
 def test_counters_off_cuda_have_no_allocator_fields():

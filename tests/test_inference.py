@@ -177,6 +177,7 @@ def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_pa
         loka = rows[("loka_export", batch)]
         assert loka["fp8"].startswith("19/19 linear layers in FP8") and loka["median_ms"] > 0 and loka["rows_per_s"] > 0
         assert 15.0 <= loka["sqnr_vs_bf16_db"] < 60.0  # FP8 noise through the whole network: present, and bounded
+    assert result["unfinished"] == [] and "not finished" not in (tmp_path / "inference.md").read_text()
     assert "| loka_export | 32 |" in (tmp_path / "inference.md").read_text()
     bad = subprocess.run([sys.executable, cmd[1], "--runs", "loka_export", "--out", str(out)], cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and "need --plan" in bad.stderr
@@ -191,6 +192,26 @@ def test_the_inference_benchmark_runs_on_a_cpu_and_skips_what_needs_a_gpu(tmp_pa
     timings = row["serving_timings"]  # what the choice was made from, per layer, in the JSON and the report
     assert len(timings) == 19 and all(t["rows"] == 16 and t["fp8_ms"] > 0 and t["high_precision_ms"] > 0 for t in timings.values())
     assert "## What `serving_rows` timed" in (tmp_path / "chosen.md").read_text()
+
+
+def test_the_inference_benchmark_leaves_the_finished_runs_when_it_is_cut_short(tmp_path):
+    """The results are written before each run: a process killed by a deadline in a later run leaves
+    the runs it finished, and the report names the ones it did not."""
+    import importlib.util
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("inference_throughput", os.path.join(root, "benchmarks", "inference_throughput.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    meta = {"date": "2026-11-28", "device": "CPU", "versions": {}, "command": "x", "preset": "small",
+            "unfinished": ["torchao_tensorwise_compile"]}  # fmt: skip
+    rows = [{"run": "bf16", "status": "ok", "batch": 8, "median_ms": 2.0, "p99_ms": 2.5, "rows_per_s": 4000.0,
+             "sqnr_vs_bf16_db": float("inf")}]  # fmt: skip
+    bench.write_results(str(tmp_path / "cut"), meta, rows)
+    assert json.loads((tmp_path / "cut.json").read_text())["unfinished"] == ["torchao_tensorwise_compile"]
+    text = (tmp_path / "cut.md").read_text()
+    assert "- not finished (the process ended first): torchao_tensorwise_compile" in text and "| bf16 | 8 | 2.000 |" in text
 
 
 def test_at_the_serving_rows_a_layer_stays_fp8_only_where_its_forward_is_faster():

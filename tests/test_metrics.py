@@ -70,6 +70,21 @@ def test_ne_auc_loss_match_float64_references():
     assert normalized_entropy(torch.from_numpy(logits), torch.from_numpy(labels)) == pytest.approx(got["ne"], rel=1e-12)
 
 
+def test_logits_are_kept_as_a_copy():
+    """A compiled model under CUDA graphs hands back logits that its next replay overwrites in place:
+    what was added must not change with the caller's tensor."""
+    batches = _random_batches(3, [50, 80])
+    expected = _fill(batches).compute()
+    m = BinaryClassificationMetrics("cpu")
+    for logits, labels in batches:
+        reused = logits.clone()
+        m.update(reused, labels)
+        reused.fill_(-30.0)  # the buffer reused by the next step
+    got = m.compute()
+    assert got["auc"] == pytest.approx(expected["auc"], rel=1e-12)
+    assert got["ne"] == pytest.approx(expected["ne"], rel=1e-12)
+
+
 def test_perfect_and_constant_predictors():
     labels = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     perfect = _fill([(torch.where(labels > 0, 30.0, -30.0), labels)]).compute()

@@ -2,6 +2,12 @@
 training thread and of the whole process, the training thread's context switches, Python's
 garbage collections, and the CUDA allocator going to the driver.
 
+Only the training steps count: the stretches the window leaves out (profiled steps with the
+profiler's own work after them, evaluations, checkpoints) are subtracted (:class:`HostWindow`).
+A thread's CPU time also counts its waits on the GPU where CUDA spins for them (its default
+with fewer busy contexts than cores), so on a GPU that column is close to the wall time of a
+step whose host waits for its kernels; compare it between runs, not with the step time.
+
 A step whose GPU idles (the large presets) is set by the host's training thread, and two runs
 that launch the same kernels can still differ in step time. These counters say where such a
 difference comes from without a profiler (which slows the host itself): the loop waiting on the
@@ -32,7 +38,7 @@ from typing import Any, Dict, Iterator
 
 import torch
 
-__all__ = ["TimedBatches", "host_counters", "per_step"]
+__all__ = ["HostWindow", "TimedBatches", "host_counters", "per_step"]
 
 
 class TimedBatches:
@@ -84,6 +90,55 @@ def per_step(start: Dict[str, float], end: Dict[str, float], *, steps: int) -> D
             out[f"{key}_per_step"] = (end[key] - start[key]) / steps
     out["threads"] = float(_thread_count())
     return out
+
+
+class HostWindow:
+    """The host counters over a window of training steps, less the stretches left out of it.
+
+    ``open()`` at the window's start, ``leave_out()`` ... ``take_back(steps)`` around work that is
+    not a training step (``steps``: the training steps inside that stretch, e.g. the profiled
+    ones), ``close(steps)`` at its end with the window's step count. :attr:`per_step` is then the
+    counters' growth per training step that was not left out (``None`` before ``close``).
+    """
+
+    def __init__(self, batches: TimedBatches, device: "torch.device | str") -> None:
+        self._batches, self._device = batches, device
+        self._start: "Dict[str, float] | None" = None
+        self._left_at: "Dict[str, float] | None" = None
+        self._left_out: Dict[str, float] = {}
+        self._steps_left_out = 0
+        self.per_step: "Dict[str, float] | None" = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._start is not None and self.per_step is None
+
+    def open(self) -> None:
+        self._start = host_counters(self._batches, self._device)
+
+    def leave_out(self) -> None:
+        """From here to :meth:`take_back` is not counted (nothing happens if the window is not open)."""
+        if self.is_open and self._left_at is None:
+            self._left_at = host_counters(self._batches, self._device)
+
+    def take_back(self, steps: int = 0) -> None:
+        """Counting resumes; the stretch since :meth:`leave_out` held ``steps`` training steps."""
+        if self._left_at is None:
+            return
+        now = host_counters(self._batches, self._device)
+        for key, value in now.items():
+            self._left_out[key] = self._left_out.get(key, 0.0) + value - self._left_at.get(key, value)
+        self._steps_left_out += steps
+        self._left_at = None
+
+    def close(self, steps: int) -> None:
+        """The window ends after ``steps`` training steps (those left out included)."""
+        if not self.is_open:
+            return
+        self.take_back()  # a stretch still open at the end (the data ran out while profiling)
+        end = host_counters(self._batches, self._device)
+        counted = {key: value - self._left_out.get(key, 0.0) for key, value in end.items()}
+        self.per_step = per_step(self._start, counted, steps=steps - self._steps_left_out)
 
 
 def _thread_count() -> int:

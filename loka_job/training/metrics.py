@@ -146,7 +146,8 @@ class BinaryClassificationMetrics:
         loss = F.binary_cross_entropy_with_logits(logits.double(), labels, reduction="sum")
         self._sums += torch.stack([loss, labels.sum(), labels.new_tensor(float(labels.numel())), invalid])
         # float32 is enough to rank logits; AUC converts them to float64 probabilities at compute().
-        self._logits.append(logits.float())
+        # Always a copy: a model compiled with CUDA graphs returns logits that its next replay overwrites.
+        self._logits.append(logits.to(torch.float32, copy=True))
         self._labels.append(labels.to(torch.uint8))
 
     def _is_distributed(self) -> bool:

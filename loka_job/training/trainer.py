@@ -32,7 +32,7 @@ from loka_job.training.checkpoint import resume_checkpoint, save_checkpoint, ver
 from loka_job.training.dense_optimizer import dense_adagrad, dense_optimizer_kind
 from loka_job.training.distributed import DistContext
 from loka_job.training.feature_ids import FeatureIdCheck
-from loka_job.training.host_window import TimedBatches, host_counters, per_step
+from loka_job.training.host_window import HostWindow, TimedBatches
 from loka_job.training.memory_trend import MemoryTrend
 from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
@@ -562,10 +562,14 @@ class Trainer:
         # The timed window: steps after first_timed (train.timing_start, or past a few warm-up steps).
         first_timed = cfg.timing_start or self.start_step + min(5, (cfg.steps - self.start_step) // 4)
         window_clock: Dict[str, float] = {}  # Unix times of the timed window's synchronized ends
-        window_host: Dict[str, Dict[str, float]] = {}  # the host's counters at the same ends
+        # the host's counters over the same window, profiled steps, evaluations and checkpoints left out
+        host_window = HostWindow(batches, self.ctx.device)
+        profiled_in_window = 0  # profiled steps since the host window left them out
         clock_restarted = False  # other work (eval, checkpoint) ran since the previous step ended
         while step < cfg.steps:
             if profiler is not None:
+                if profiler.covers(step + 1):
+                    host_window.leave_out()  # the profiled steps and the profiler's own work after them
                 profiler.before_step(step + 1)
             t0 = time.perf_counter() if cfg.step_sync else last_end
             # LoKA drives each step as any job's loop does (Loka.step): eager probe steps, plans, the
@@ -590,12 +594,19 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.ctx.device)
             if step in (first_timed, cfg.steps):
                 window_clock["start" if step == first_timed else "end"] = time.time()
-                window_host["start" if step == first_timed else "end"] = host_counters(batches, self.ctx.device)
+                if step == first_timed:
+                    host_window.open()
+                else:
+                    host_window.close(steps=cfg.steps - first_timed)
             last_end = time.perf_counter()
             seconds = last_end - t0
             profiled = profiler is not None and profiler.after_step(step)
             if profiled:  # a profiled step is slower: not timed; nor is the profiler's own work after it
                 last_end, clock_restarted = self._restart_step_clock(), True
+                profiled_in_window += host_window.is_open
+                if not profiler.covers(step + 1):
+                    host_window.take_back(steps=profiled_in_window)
+                    profiled_in_window = 0
             else:
                 step_times.append(seconds)
                 timed_steps.append(step)
@@ -618,11 +629,15 @@ class Trainer:
                 if bar is not None:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record.get('train/ne', float('nan')):.4f}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                host_window.leave_out()
                 self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
                 last_end, clock_restarted = self._restart_step_clock(), True
+                host_window.take_back()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not self.nonfinite.consecutive:
+                host_window.leave_out()
                 self.save(step)  # never in a streak of non-finite steps: a checkpoint is a good state
                 last_end, clock_restarted = self._restart_step_clock(), True
+                host_window.take_back()
             if bar is not None:
                 bar.update(1)
             if self.watchdog is not None:
@@ -659,9 +674,9 @@ class Trainer:
             "timed_window": [timed_steps[window[0]], timed_steps[window[-1]]] if window else None,
             # Unix times bounding the window, to match with device samples
             "timed_window_unix": [window_clock["start"], window_clock["end"]] if len(window_clock) == 2 else None,
-            # per step of that window: waiting for batches, CPU time, GC collections, CUDA allocator calls
-            "host_window": per_step(window_host["start"], window_host["end"], steps=cfg.steps - first_timed)
-            if len(window_host) == 2 else None,
+            # per training step of that window (profiled steps, evaluations, checkpoints left out):
+            # waiting for batches, CPU time, GC collections, CUDA allocator calls
+            "host_window": host_window.per_step,
             "qps": 1e3 * global_batch / stats["median_step_ms"] if timed else float("nan"),
             "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
             "train_seconds": train_seconds,
