@@ -24,7 +24,9 @@ averaged over the seeds both completed; the speed-up over eager ``bf16`` is give
 NE vs bf16 is relative to eager ``bf16`` of the same seed, else ``bf16_compile``, else
 ``bf16_compile_cudagraphs`` (same data and initialization; compiling does not change what is computed), in %: ``100 * (NE_run - NE_bf16) / NE_bf16``, then mean, min
 and max over seeds; next to it each run's own seed-to-seed NE spread (sample std over seeds, %
-of the mean), to tell a difference from noise.
+of the mean), to tell a difference from noise. Section "Against the strongest baselines" puts
+each LoKA run beside the faster compile mode of the user's job and the faster of torchao's
+compiled runs, with its peak memory, and names the baseline runs the call left out.
 
 Runs (``--runs``; the compile mode is the job's ``train.compile``: ``none`` is eager;
 ``default`` is Inductor without CUDA graphs; ``reduce-overhead`` adds CUDA graphs, and Inductor
@@ -161,6 +163,13 @@ AUTO_COMMS_REFERENCES = ("bf16_auto_comms_compile", "bf16_auto_comms_compile_cud
 # The same architecture for LoKA's runs without Mods: the user's model with LoKA on and every GEMM
 # bf16 (no Probe, fp32 comms). Where it ran, those runs' "same architecture" speed-ups are against it.
 NOMODS_REFERENCES = ("bf16_nomods_compile_cudagraphs",)
+# torchao's compiled runs with its auto filter, either mode: the library baseline a user would try
+# first (section "Against the strongest baselines").
+# Each recipe is wanted in one compile mode or the other.
+TORCHAO_RECIPES = (
+    ("torchao_tensorwise_compile", "torchao_tensorwise_compile_default"), ("torchao_rowwise_compile", "torchao_rowwise_compile_default"),
+)  # fmt: skip
+TORCHAO_COMPILED = tuple(name for recipe in TORCHAO_RECIPES for name in recipe)
 FALLBACK_REFERENCE = "bf16"
 # NE differences are to the first of these that completed for the same seed (same data; the plain
 # model is LoKA's architecture where LoKA runs without Mods).
@@ -984,6 +993,69 @@ def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) ->
     ]
 
 
+def _baseline_cell(best: Optional[Dict[str, Any]], wanted: Sequence[Sequence[str]], ran: Sequence[str]) -> str:
+    """The faster of the baseline runs that completed, and which of ``wanted`` did not run (each
+    entry: the runs of which any one will do)."""
+    if best is None:
+        return "not run"
+    missing = [group[0] for group in wanted if not any(name in ran for name in group)]
+    return _ms_cell(best) + (f"; not run: `{'`, `'.join(missing)}`" if missing else "")
+
+
+def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> List[str]:
+    """"Against the strongest baselines": per recipe, LoKA run and seed, LoKA's step against the
+    faster compile mode of the user's job and the faster of torchao's compiled runs (auto filter),
+    with peak memory against the user's job's, and the baseline runs that were not in the call
+    (a ratio against a weaker baseline than a user would run says so here)."""
+    lines: List[str] = []
+    for recipe in recipes:
+        user = speed_references(records, recipe, USER_JOB_REFERENCES, None)
+        torchao_runs = [name for name in TORCHAO_COMPILED if _ok(records, recipe, name)]
+        torchao = speed_references(records, recipe, TORCHAO_COMPILED, None)
+        loka_runs = sorted({r["run"] for r in records if r["recipe"] == recipe and r["run"].startswith("loka") and r["status"] == "ok"})
+        user_runs = [name for name in USER_JOB_REFERENCES if _ok(records, recipe, name)]
+        rows = []
+        for run in loka_runs:
+            for seed, loka in sorted(_ok(records, recipe, run).items()):
+                if not loka.get("median_step_ms"):
+                    continue
+                mine, theirs = user.get(seed), torchao.get(seed)
+                peak = _ratio_of(loka, mine, "peak_memory_gb")
+                window = _ratio_of(loka, mine, "peak_memory_window_gb")
+                rows.append(
+                    f"| {run} | {seed} | {loka['median_step_ms']:.2f} | {_baseline_cell(mine, [(n,) for n in USER_JOB_REFERENCES], user_runs)} "
+                    f"| {_times(_ratio(mine, loka))} | {_baseline_cell(theirs, TORCHAO_RECIPES, torchao_runs)} "
+                    f"| {_times(_ratio(theirs, loka))} | {_times(peak)} ({_times(window)}) |"
+                )
+        if rows:
+            lines += [
+                f"### {recipe}", "",
+                "| LoKA run | seed | LoKA ms | user's job, faster mode ms | vs user's job | torchao, faster ms | vs torchao "
+                "| peak memory vs user's job, whole run (timed window) |",
+                "|---|---|---|---|---|---|---|---|", *rows, "",
+            ]  # fmt: skip
+    if not lines:
+        return []
+    return [
+        "## Against the strongest baselines",
+        "",
+        f"Each LoKA run against the faster of the user's job's compile modes (`{'`, `'.join(USER_JOB_REFERENCES)}`) and the "
+        "faster of torchao's compiled runs (tensorwise and rowwise, auto filter, either compile mode), in the same call: the "
+        "baseline's median step over LoKA's (above 1: LoKA is faster), and LoKA's peak GPU memory over the user's job's "
+        "(below 1: LoKA uses less). A baseline run that is not in the call is named: the ratio is then against a "
+        "weaker baseline than a user may run.",
+        "",
+        *lines,
+    ]
+
+
+def _ratio_of(mine: Dict[str, Any], theirs: Optional[Dict[str, Any]], key: str) -> Optional[float]:
+    """``mine[key] / theirs[key]`` where both are known."""
+    if not theirs or not mine.get(key) or not theirs.get(key):
+        return None
+    return mine[key] / theirs[key]
+
+
 def serving_section(records: List[Dict[str, Any]]) -> List[str]:
     """"Serving what training ran": per run that exported (``train.export_serving``), each dense module's
     program and what ran FP8 in it, and eval NE/AUC of the model trained, served (FP8 where it runs) and
@@ -1261,6 +1333,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             reason = str(r.get("reason") or "").replace("|", "\\|")
             lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {r['status']} | {reason} |")
         lines.append("")
+    lines += strongest_baselines_section(records, a["recipes"])
     lines += gain_split_section(records, a["recipes"])
     lines += comms_section(records)
     lines += serving_section(records)

@@ -539,6 +539,33 @@ def test_gain_split_walks_from_the_users_job_to_lokas_run_in_three_moves():
     assert e2e.gain_split_section([_rec("loka_compile_default", 0, 60.0)], ["r"]) == []
 
 
+def test_the_strongest_baselines_section_takes_the_faster_of_each_and_names_what_did_not_run():
+    """LoKA against the faster compile mode of the user's job and the faster torchao run, with the
+    peak memory ratio; a baseline missing from the call is named, a LoKA run without any is "not run"."""
+    e2e = _driver()
+    loka = dict(_rec("loka_nomods_compile", 0, 12.0), peak_memory_gb=6.0, peak_memory_window_gb=2.0)
+    records = [
+        dict(_rec("plain_compile", 0, 15.0), peak_memory_gb=4.0, peak_memory_window_gb=2.5),
+        dict(_rec("plain_compile_cudagraphs", 0, 13.0), peak_memory_gb=5.0, peak_memory_window_gb=2.5),
+        _rec("torchao_rowwise_compile", 0, 12.5), _rec("torchao_tensorwise_compile", 0, 14.0, status="failed"),
+        loka, _rec("loka_nomods_compile", 1, 11.0),  # seed 1 has no baseline
+    ]  # fmt: skip
+    lines = e2e.strongest_baselines_section(records, ["r"])
+    row = next(line for line in lines if line.startswith("| loka_nomods_compile | 0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:4] == ["12.00", "13.00 (`plain_compile_cudagraphs`)"]
+    assert float(cells[4].rstrip("x")) == pytest.approx(13 / 12, abs=1e-3)
+    assert cells[5] == "12.50 (`torchao_rowwise_compile`); not run: `torchao_tensorwise_compile`"  # it failed
+    assert float(cells[6].rstrip("x")) == pytest.approx(12.5 / 12, abs=1e-3)
+    assert cells[7] == "1.200x (0.800x)"  # 6.0 / 5.0 over the run, 2.0 / 2.5 in the window
+    row1 = next(line for line in lines if line.startswith("| loka_nomods_compile | 1 |"))
+    assert "| not run | n/a | not run | n/a |" in row1
+    only_graphs = [r for r in records if r["run"] != "plain_compile"]
+    row = next(line for line in e2e.strongest_baselines_section(only_graphs, ["r"]) if line.startswith("| loka_nomods_compile | 0 |"))
+    assert "13.00 (`plain_compile_cudagraphs`); not run: `plain_compile`" in row
+    assert e2e.strongest_baselines_section([_rec("plain_compile", 0, 15.0)], ["r"]) == []
+
+
 def test_comms_section_shows_the_collectives_of_multi_rank_runs_only():
     e2e = _driver()
     comms = {"ms_per_step": {"all_to_all": {"forward": 1.0, "backward": 2.0, "outside": 3.0},
