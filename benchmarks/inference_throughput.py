@@ -7,7 +7,8 @@ GPU; median, p99 and rows per second over ``--reps`` calls after ``--warmup``), 
 one process:
 
 * ``bf16``, ``bf16_compile``, ``bf16_compile_cudagraphs``: the model in bf16 (fp32 on a CPU), eager
-  / ``torch.compile`` default / with CUDA graphs (``reduce-overhead``);
+  / ``torch.compile`` default / with CUDA graphs (``reduce-overhead``); every compiled run here
+  compiles each batch size with static shapes;
 * ``torchao_rowwise_compile``, ``torchao_tensorwise_compile``: torchao's float8 inference
   quantization (``Float8DynamicActivationFloat8WeightConfig``, per-row or per-tensor: dynamic
   activation scales, FP8 weights) on every ``nn.Linear``, compiled with CUDA graphs (CUDA only);
@@ -131,10 +132,13 @@ def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows:
         print(f"[inference] {run}: {report.summary()}", flush=True)
         model.loka_report = report.summary()
         model.loka_timings = report.timings  # per layer at serving_rows: FP8 and high-precision forward ms
+    # Static shapes for every compiled run: each batch size gets a graph of its own, as LoKA's forms
+    # chosen per batch do (with Dynamo's automatic dynamic shapes the second size would run kernels
+    # compiled for any size, a handicap only the baselines would carry).
     if run.endswith("_compile"):
-        return torch.compile(model, mode="default")
+        return torch.compile(model, mode="default", dynamic=False)
     if run.endswith("_compile_cudagraphs") or run.startswith("torchao"):
-        return torch.compile(model, mode="reduce-overhead")
+        return torch.compile(model, mode="reduce-overhead", dynamic=False)
     return model
 
 

@@ -214,6 +214,25 @@ def test_the_inference_benchmark_leaves_the_finished_runs_when_it_is_cut_short(t
     assert "- not finished (the process ended first): torchao_tensorwise_compile" in text and "| bf16 | 8 | 2.000 |" in text
 
 
+def test_the_inference_benchmark_compiles_every_run_with_static_shapes(monkeypatch):
+    """Each batch size gets a graph of its own in every compiled run, as LoKA's forms chosen per batch
+    do: with Dynamo's automatic dynamic shapes the baselines would run kernels compiled for any size."""
+    import argparse
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("inference_throughput", os.path.join(root, "benchmarks", "inference_throughput.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+    monkeypatch.setattr(bench.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    args = argparse.Namespace(preset="small", plan=None, mode="all:scaled_mm:rowwise")
+    for run in ("bf16_compile", "bf16_compile_cudagraphs", "loka_export_compile", "loka_export_compile_cudagraphs"):
+        bench.make(run, args, torch.device("cpu"), torch.float32)
+    assert [c["mode"] for c in calls] == ["default", "reduce-overhead", "default", "reduce-overhead"]
+    assert all(c["dynamic"] is False for c in calls)
+
+
 def test_at_the_serving_rows_a_layer_stays_fp8_only_where_its_forward_is_faster():
     """``serving_rows``: each FP8 layer timed against its high-precision form at those rows (once per
     shape); slower ones serve in high precision with both times; a real timing runs on the CPU too."""
