@@ -163,9 +163,8 @@ AUTO_COMMS_REFERENCES = ("bf16_auto_comms_compile", "bf16_auto_comms_compile_cud
 # The same architecture for LoKA's runs without Mods: the user's model with LoKA on and every GEMM
 # bf16 (no Probe, fp32 comms). Where it ran, those runs' "same architecture" speed-ups are against it.
 NOMODS_REFERENCES = ("bf16_nomods_compile_cudagraphs",)
-# torchao's compiled runs with its auto filter, either mode: the library baseline a user would try
-# first (section "Against the strongest baselines").
-# Each recipe is wanted in one compile mode or the other.
+# torchao's compiled runs with its auto filter: the library baseline a user would try first
+# (section "Against the strongest baselines"); each recipe in one compile mode or the other.
 TORCHAO_RECIPES = (
     ("torchao_tensorwise_compile", "torchao_tensorwise_compile_default"), ("torchao_rowwise_compile", "torchao_rowwise_compile_default"),
 )  # fmt: skip
