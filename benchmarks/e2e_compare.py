@@ -675,7 +675,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
         for k in (
             "median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "timed_steps", "timed_window",
             "qps", "peak_memory_gb", "peak_memory_window_gb", "eval_ne", "eval_auc", "train_ne", "teacher_eval_ne", "world_size", "autocast",
-            "host_window",
+            "host_window", "peak_memory_rises",
         )
     }
     loka = s.get("loka")
@@ -911,6 +911,31 @@ def host_section(records: List[Dict[str, Any]]) -> List[str]:
             f"| {_fmt(h.get('alloc_retries_per_step'), '.2f')} | {graphs_cell} |"
         )
     return lines + [""]
+
+
+def peak_memory_section(records: List[Dict[str, Any]]) -> List[str]:
+    """"Where the peak memory was set": per run, rank 0's rises of its peak GPU memory, the last being
+    the work that set the whole run's peak (a probe step run eagerly, the planning step, an evaluation)."""
+    rows = []
+    for r in records:
+        rises = r.get("peak_memory_rises") or []
+        if r["status"] != "ok" or not rises:
+            continue
+        earlier = "; ".join(f"{x['at']} {x['gib']:.2f}" for x in rises[:-1])
+        rows.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {rises[-1]['at']} | {rises[-1]['gib']:.2f} | {earlier or '-'} |")
+    if not rows:
+        return []
+    return [
+        "## Where the peak memory was set",
+        "",
+        "Rank 0's peak allocated GPU memory (GiB) after each step, evaluation and checkpoint: the work during which it "
+        "last rose (where the whole run's peak was set), and its earlier rises.",
+        "",
+        "| recipe | run | seed | peak set at | GiB | earlier rises (GiB) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _host_cell(host: Optional[Dict[str, float]]) -> str:
@@ -1339,6 +1364,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     lines += profile_section(records)
     lines += gpu_section(records)
     lines += host_section(records)
+    lines += peak_memory_section(records)
     lines += loka_section(records)
     lines += ["## Commands", "", "```"]
     lines += [r["command"] for r in records if r.get("command")]

@@ -214,6 +214,10 @@ def format_summary(s: Dict[str, Any]) -> str:
         window = s.get("peak_memory_window_gb")
         lines.append(f"peak GPU memory  {f(s['peak_memory_gb'], '.2f')} GiB (max over ranks)"
                      + (f", {window:.2f} GiB in the timed window" if window is not None else ""))  # fmt: skip
+        rises = s.get("peak_memory_rises") or []
+        if rises:
+            lines.append(f"peak set at      {rises[-1]['at']} on rank 0 ({rises[-1]['gib']:.2f} GiB; "
+                         f"{len(rises)} rise(s) in the run summary's peak_memory_rises)")  # fmt: skip
     if s.get("autocast", "none") != "none":
         lines.append(f"autocast         {s['autocast']} (dense forward)")
     compiled = s.get("compile") or {}

@@ -566,6 +566,20 @@ def test_the_strongest_baselines_section_takes_the_faster_of_each_and_names_what
     assert e2e.strongest_baselines_section([_rec("plain_compile", 0, 15.0)], ["r"]) == []
 
 
+def test_the_peak_memory_section_names_the_work_that_set_each_runs_peak():
+    e2e = _driver()
+    rises = [{"at": "step 1", "gib": 3.0, "rise_gib": 3.0}, {"at": "step 30 (compiled modules eager: a probe step)", "gib": 5.15,
+                                                             "rise_gib": 2.15}]  # fmt: skip
+    records = [dict(_rec("loka_compile", 0, 10.0), peak_memory_rises=rises), _rec("bf16", 0, 12.0),
+               dict(_rec("plain_compile", 0, 11.0), peak_memory_rises=rises[:1])]  # fmt: skip
+    lines = e2e.peak_memory_section(records)
+    assert "| r | loka_compile | 0 | step 30 (compiled modules eager: a probe step) | 5.15 | step 1 3.00 |" in lines
+    assert "| r | plain_compile | 0 | step 1 | 3.00 | - |" in lines
+    assert not any("| bf16 |" in line for line in lines)  # no trace (a CPU run, an older summary)
+    assert e2e.peak_memory_section([_rec("bf16", 0, 12.0)]) == []
+    assert e2e.metrics_from_summary({"peak_memory_rises": rises})["peak_memory_rises"] == rises
+
+
 def test_comms_section_shows_the_collectives_of_multi_rank_runs_only():
     e2e = _driver()
     comms = {"ms_per_step": {"all_to_all": {"forward": 1.0, "backward": 2.0, "outside": 3.0},

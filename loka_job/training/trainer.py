@@ -34,6 +34,7 @@ from loka_job.training.distributed import DistContext
 from loka_job.training.feature_ids import FeatureIdCheck
 from loka_job.training.host_window import HostWindow, TimedBatches
 from loka_job.training.memory_trend import MemoryTrend
+from loka_job.training.peak_memory import PeakMemoryTrace
 from loka_job.training.nonfinite import NonFiniteSteps
 from loka_job.training.peer_watchdog import END_OF_RUN, PeerWatchdog
 from loka_job.training.preemption import StopSignal
@@ -501,6 +502,7 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(train_config.max_nonfinite_steps)  # skipped steps (resumed too)
         self.memory_trend = MemoryTrend()  # GPU memory that grows at every step: warned once
         self._peak_before_window: Optional[int] = None  # the run's peak memory before the timed window
+        self.peak_trace = PeakMemoryTrace()  # where that peak was set: a step, an evaluation, a checkpoint
         self.last_checkpoint: Optional[str] = None
         if train_config.resume:
             self._resume(train_config.resume)
@@ -572,6 +574,7 @@ class Trainer:
                     host_window.leave_out()  # the profiled steps and the profiler's own work after them
                 profiler.before_step(step + 1)
             t0 = time.perf_counter() if cfg.step_sync else last_end
+            eager_step = self.loka is not None and self.loka.eager_at(step + 1)  # compiled modules run eagerly (Probe)
             # LoKA drives each step as any job's loop does (Loka.step): eager probe steps, plans, the
             # step-time guard (a profiled step, or one after an evaluation or checkpoint, is not timed).
             timed = not clock_restarted and (profiler is None or not profiler.covers(step + 1))
@@ -614,6 +617,7 @@ class Trainer:
                 ready = self.loka is None or self.loka.step_times_free()
                 self.dense_check.observe(step, None if profiled or not timed else 1e3 * seconds, ready=ready)
             allocated_gib = torch.cuda.memory_allocated(self.ctx.device) / 2**30 if cuda else None  # host-side: no sync
+            self._trace_peak(f"step {step}" + (" (compiled modules eager: a probe step)" if eager_step else ""))
             if allocated_gib is not None:
                 growing = self.memory_trend.observe(step, allocated_gib)
                 if growing is not None:
@@ -632,11 +636,13 @@ class Trainer:
                 host_window.leave_out()
                 self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
                 last_end, clock_restarted = self._restart_step_clock(), True
+                self._trace_peak(f"evaluation after step {step}")
                 host_window.take_back()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not self.nonfinite.consecutive:
                 host_window.leave_out()
                 self.save(step)  # never in a streak of non-finite steps: a checkpoint is a good state
                 last_end, clock_restarted = self._restart_step_clock(), True
+                self._trace_peak(f"checkpoint after step {step}")
                 host_window.take_back()
             if bar is not None:
                 bar.update(1)
@@ -653,6 +659,7 @@ class Trainer:
         # Preempted before the last step: a final checkpoint, no final evaluation (the time left is short).
         preempted = self._stop_for_preemption(step) if self.nonfinite.stop_agreed and step < cfg.steps else None
         final_eval = {} if preempted else self.evaluate(export=cfg.export_serving)
+        self._trace_peak("the final evaluation" + (" and the serving export" if cfg.export_serving else ""))
         if final_eval:
             self._log({"step": step, **{f"eval/{k}": v for k, v in final_eval.items()}})
         if self.probe is not None:
@@ -681,6 +688,8 @@ class Trainer:
             "qps_mean": 1e3 * global_batch / stats["mean_step_ms"] if timed else float("nan"),
             "train_seconds": train_seconds,
             **self._peak_memory_gb(),
+            # rank 0's: each rise of its peak and what ran then (the last: where the whole run's was set)
+            "peak_memory_rises": self.peak_trace.rises if cuda else None,
             "autocast": cfg.autocast,
             "sharding_group_size": cfg.sharding_group_size,
             "dense_allreduce": {
@@ -930,6 +939,10 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
             f.flush()
         logger.info("%s", " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+    def _trace_peak(self, label: str) -> None:
+        if self.ctx.device.type == "cuda":
+            self.peak_trace.observe(label, torch.cuda.max_memory_allocated(self.ctx.device))
 
     def _peak_memory_gb(self) -> Dict[str, Optional[float]]:
         """Peak GPU memory allocated by PyTorch (``torch.cuda.max_memory_allocated``), in GiB, the
