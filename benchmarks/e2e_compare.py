@@ -60,7 +60,10 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
 * ``bf16_nomods_compile_cudagraphs``, ``bf16_nomods_probed_compile_cudagraphs`` (not in the default
   list): the user's model (no Mods) with LoKA on, every GEMM in bf16, fp32 comms, CUDA graphs, without
   and with the Probe: what LoKA's layers and its learning cost a model beside ``plain_compile_cudagraphs``,
-  apart from any FP8 kernel;
+  apart from any FP8 kernel; ``bf16_nomods_probed_offload_compile_cudagraphs`` and
+  ``loka_nomods_compile_offload``: the probed one and ``loka_nomods_compile`` with
+  ``loka.probe.offload_activations=true`` (the probe steps' saved activations in host memory), for
+  the peak memory the eager probe steps set (section "Where the peak memory was set");
 * ``bf16_nomods``: the plain model (``loka.enabled=false``), eager;
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's
   ``convert_to_float8_training`` with its own size filter (``baseline.auto_filter=true``) on the
@@ -221,6 +224,8 @@ _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
 # LoKA as a user switches it on in an existing job (LokaConfig(enabled=True)): the model unchanged.
 _LOKA_NOMODS = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=none")
 _PLAIN = ("loka.enabled=false",)
+# The probe steps' saved activations in pinned host memory (the eager steps' peak GPU memory).
+_OFFLOAD = "loka.probe.offload_activations=true"
 _LOOSE_GATES = ("loka.dispatch.max_mere=0.5", "loka.dispatch.min_grad_sqnr_db=10")
 
 
@@ -255,6 +260,7 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("bf16_probed_compile_cudagraphs", _BF16_PROBED, compile="reduce-overhead"),
         RunSpec("bf16_nomods_compile_cudagraphs", _BF16_NOMODS, compile="reduce-overhead"),
         RunSpec("bf16_nomods_probed_compile_cudagraphs", _BF16_NOMODS_PROBED, compile="reduce-overhead"),
+        RunSpec("bf16_nomods_probed_offload_compile_cudagraphs", (*_BF16_NOMODS_PROBED, _OFFLOAD), compile="reduce-overhead"),
         RunSpec("bf16_auto_comms_compile", _BF16_AUTO_COMMS, compile="default"),
         RunSpec("bf16_auto_comms_compile_cudagraphs", _BF16_AUTO_COMMS, compile="reduce-overhead"),
         RunSpec("bf16_nomods", _PLAIN),
@@ -274,6 +280,7 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("loka_compile", _LOKA, compile="reduce-overhead"),
         RunSpec("loka_compile_default", _LOKA, compile="default"),
         RunSpec("loka_nomods_compile", _LOKA_NOMODS, compile="reduce-overhead"),
+        RunSpec("loka_nomods_compile_offload", (*_LOKA_NOMODS, _OFFLOAD), compile="reduce-overhead"),
         RunSpec("loka_nomods_compile_default", _LOKA_NOMODS, compile="default"),
         RunSpec("loka_compile_default_current", (*_LOKA, "loka.dispatch.forward_scaling=current"), compile="default"),
         # The accuracy gates loosened (MERE bound 0.5, gradient floor 10 dB): what the gates cost in

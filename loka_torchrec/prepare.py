@@ -41,6 +41,7 @@ import sys
 import time
 from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -92,6 +93,8 @@ class Loka:
             :meth:`step_end` marks the end of each step for them
             (:func:`~loka_torchrec.compile.end_compiled_step`).
         model: the model prepared (marked so until :meth:`close`; ``None`` when LoKA is off).
+        offload_probe_activations: the steps whose compiled modules run eagerly keep autograd's saved
+            activations in pinned host memory (``probe.offload_activations``, on a CUDA device).
     """
 
     config: LokaConfig
@@ -107,6 +110,7 @@ class Loka:
     dense_inputs: Optional[DenseInputs] = None
     cuda_graphs: bool = False
     model: Optional[nn.Module] = None
+    offload_probe_activations: bool = False
     _started: bool = False
     _last_step_end: Optional[float] = None
     _comms_restored: bool = False
@@ -280,9 +284,18 @@ class Loka:
             self.decide_comms()
             ran_eagerly = not self.compiled_modules or self.eager_at(step)
             if ran_eagerly and self.compiled_modules:
-                context = eager()
+                context = self._eager_step()
         self._steps.inside = step
         return context, ran_eagerly
+
+    def _eager_step(self) -> ContextManager:
+        """The context of a step whose compiled modules run eagerly; with ``probe.offload_activations``
+        on a GPU, autograd's saved activations wait for the backward in pinned host memory."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(eager())
+        if self.offload_probe_activations:
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
+        return stack
 
     def _end_step(self, step: int, *, completed: bool, timed: bool, ran_eagerly: bool) -> None:
         """The block of ``step`` closes; a completed step is reported with its time."""
@@ -534,6 +547,7 @@ def prepare(
         dense_inputs=DenseInputs({n: model.get_submodule(n) for n in dense_modules(model)})
         if config.dispatch.grad_check and config.dispatch.mode == "policy" else None,
         model=model,
+        offload_probe_activations=probe is not None and config.probe.offload_activations and torch.device(device).type == "cuda",
     )  # fmt: skip
 
 

@@ -6,6 +6,8 @@ multiply raw Parameters, its MLPs are ``nn.Linear`` + ``nn.BatchNorm1d``. The Pr
 longer than one step, so the first steps run compiled and only the probe steps run eagerly.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -81,3 +83,42 @@ def test_a_compiled_first_step_does_not_decide_what_never_ran(tmp_path):
     assert loka.dispatcher.plan.coverage["ran_checked"] is True
     assert loka.dispatcher.never_ran == {} and loka.dispatcher.plan.coverage["share"] == 1.0
     loka.close()
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_probe_steps_offload_saved_activations_only_when_asked(tmp_path, monkeypatch, offload):
+    """``probe.offload_activations`` on a GPU: the steps whose compiled modules run eagerly for the
+    Probe keep autograd's saved tensors in host memory (``save_on_cpu``); compiled steps do not. On a
+    CPU the option does nothing; the GPU's decision and ``save_on_cpu`` (pinned memory needs CUDA) are
+    stood in for here, the saved-tensor hooks are real."""
+    entered, packed = [], []
+
+    @contextlib.contextmanager
+    def save_on_cpu(pin_memory):
+        entered.append((current[0], pin_memory))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(current[0]) or t, lambda t: t):
+            yield
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", save_on_cpu)
+    model = outside_models.UserWukong()
+    loka = loka_torchrec.prepare(model, _config(offload_activations=offload), run_dir=str(tmp_path), compile="default", device="cpu")
+    assert loka.offload_probe_activations is False  # a CPU: nothing to offload to
+    loka.offload_probe_activations = offload  # as prepare decides on a CUDA device
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    current, eager_steps = [0], []
+    for step in range(1, 13):
+        current[0] = step
+        if loka.eager_at(step):
+            eager_steps.append(step)
+        with loka.step(step):
+            logits = model(*model.batch(32, seed=step)).squeeze(-1)
+            F.binary_cross_entropy_with_logits(logits, torch.rand(32)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    loka.close()
+    assert eager_steps and len(eager_steps) < 12  # some probe steps, the rest compiled
+    if offload:
+        assert entered == [(s, True) for s in eager_steps]
+        assert set(packed) == set(eager_steps)  # every probe step saved tensors through the hooks
+    else:
+        assert entered == [] and packed == []

@@ -617,7 +617,9 @@ class Trainer:
                 ready = self.loka is None or self.loka.step_times_free()
                 self.dense_check.observe(step, None if profiled or not timed else 1e3 * seconds, ready=ready)
             allocated_gib = torch.cuda.memory_allocated(self.ctx.device) / 2**30 if cuda else None  # host-side: no sync
-            self._trace_peak(f"step {step}" + (" (compiled modules eager: a probe step)" if eager_step else ""))
+            planned = self.loka is not None and self.loka.dispatcher.plan.step == step  # a plan made at the step's end
+            self._trace_peak(f"step {step}" + (" (compiled modules eager: a probe step)" if eager_step else "")
+                             + (" (a plan made at its end)" if planned else ""))  # fmt: skip
             if allocated_gib is not None:
                 growing = self.memory_trend.observe(step, allocated_gib)
                 if growing is not None:

@@ -97,6 +97,12 @@ class ProbeConfig:
         readmit_error_ratio: a re-evaluated layer keeps its plan when every candidate's new
             error is at most this multiple of its plan-time error; otherwise Dispatch re-plans
             with the new evidence before the layer is readmitted.
+        offload_activations: in a probe step of a compiled model on a GPU (its compiled modules
+            run eagerly there), keep the activations autograd saves for the backward in pinned
+            host memory (``torch.autograd.graph.save_on_cpu``) instead of on the GPU. An eager step
+            saves more than the compiled one and can set the run's peak GPU memory (the run
+            summary's ``peak_memory_rises`` says which step did); offloaded, the probe steps
+            copy those activations to the host and back. Off by default.
 
     Example::
 
@@ -127,6 +133,7 @@ class ProbeConfig:
     readmit_windows: int = 2
     readmit_every: int = 50
     readmit_error_ratio: float = 1.25
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "probe")  # types first: a range check of a str fails deep inside
