@@ -88,6 +88,10 @@ def test_unknown_and_unavailable_backends():
     model = mlp()
     report = loka_torchrec.apply(model, DispatchConfig(mode="all:test_offline:rowwise", fallback="bf16"))
     assert report.dispatcher.plan.fp8_gemm_count() == 0 and model[0].kernels == LayerKernels()
+    if not torch.cuda.is_available():  # the GPU-only backends, forced on a CPU: refused before anything runs
+        for backend, recipe in (("fbgemm", "rowwise"), ("te", "tensorwise"), ("triton", "rowwise")):
+            with pytest.raises(BackendUnavailableError, match=f"backend '{backend}' is unavailable on cpu.*fallback=bf16"):
+                loka_torchrec.apply(mlp(), DispatchConfig(mode=f"all:{backend}:{recipe}"))
 
 
 def test_policy_plans_after_plan_at_step_and_pinned_plan_round_trip(tmp_path):
