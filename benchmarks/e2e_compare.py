@@ -25,8 +25,9 @@ NE vs bf16 is relative to eager ``bf16`` of the same seed, else ``bf16_compile``
 ``bf16_compile_cudagraphs`` (same data and initialization; compiling does not change what is computed), in %: ``100 * (NE_run - NE_bf16) / NE_bf16``, then mean, min
 and max over seeds; next to it each run's own seed-to-seed NE spread (sample std over seeds, %
 of the mean), to tell a difference from noise. Section "Against the strongest baselines" puts
-each LoKA run beside the faster compile mode of the user's job and the faster of torchao's
-compiled runs, with its peak memory, and names the baseline runs the call left out.
+each LoKA run beside the faster compile mode of the user's job, the faster of torchao's
+compiled runs and the faster TE run, with its peak memory, and names the baseline runs the call
+left out.
 
 Runs (``--runs``; the compile mode is the job's ``train.compile``: ``none`` is eager;
 ``default`` is Inductor without CUDA graphs; ``reduce-overhead`` adds CUDA graphs, and Inductor
@@ -172,6 +173,9 @@ TORCHAO_RECIPES = (
     ("torchao_tensorwise_compile", "torchao_tensorwise_compile_default"), ("torchao_rowwise_compile", "torchao_rowwise_compile_default"),
 )  # fmt: skip
 TORCHAO_COMPILED = tuple(name for recipe in TORCHAO_RECIPES for name in recipe)
+# Transformer Engine in the job, compiled or eager (its CUDA-graph helper runs on the dense part alone:
+# benchmarks/dense_part_step.py).
+TE_RUNS = ("te_compile", "te", "te_tensorwise")
 FALLBACK_REFERENCE = "bf16"
 # NE differences are to the first of these that completed for the same seed (same data; the plain
 # model is LoKA's architecture where LoKA runs without Mods).
@@ -1035,7 +1039,7 @@ def _baseline_cell(best: Optional[Dict[str, Any]], wanted: Sequence[Sequence[str
 
 def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> List[str]:
     """"Against the strongest baselines": per recipe, LoKA run and seed, LoKA's step against the
-    faster compile mode of the user's job and the faster of torchao's compiled runs (auto filter),
+    faster compile mode of the user's job, the faster of torchao's compiled runs (auto filter) and of TE's,
     with peak memory against the user's job's, and the baseline runs that were not in the call
     (a ratio against a weaker baseline than a user would run says so here)."""
     lines: List[str] = []
@@ -1043,6 +1047,8 @@ def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence
         user = speed_references(records, recipe, USER_JOB_REFERENCES, None)
         torchao_runs = [name for name in TORCHAO_COMPILED if _ok(records, recipe, name)]
         torchao = speed_references(records, recipe, TORCHAO_COMPILED, None)
+        te = speed_references(records, recipe, TE_RUNS, None)
+        te_runs = [name for name in TE_RUNS if _ok(records, recipe, name)]
         loka_runs = sorted({r["run"] for r in records if r["recipe"] == recipe and r["run"].startswith("loka") and r["status"] == "ok"})
         user_runs = [name for name in USER_JOB_REFERENCES if _ok(records, recipe, name)]
         rows = []
@@ -1050,20 +1056,21 @@ def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence
             for seed, loka in sorted(_ok(records, recipe, run).items()):
                 if not loka.get("median_step_ms"):
                     continue
-                mine, theirs = user.get(seed), torchao.get(seed)
+                mine, theirs, engine = user.get(seed), torchao.get(seed), te.get(seed)
                 peak = _ratio_of(loka, mine, "peak_memory_gb")
                 window = _ratio_of(loka, mine, "peak_memory_window_gb")
                 rows.append(
                     f"| {run} | {seed} | {loka['median_step_ms']:.2f} | {_baseline_cell(mine, [(n,) for n in USER_JOB_REFERENCES], user_runs)} "
                     f"| {_times(_ratio(mine, loka))} | {_baseline_cell(theirs, TORCHAO_RECIPES, torchao_runs)} "
-                    f"| {_times(_ratio(theirs, loka))} | {_times(peak)} ({_times(window)}) |"
+                    f"| {_times(_ratio(theirs, loka))} | {_baseline_cell(engine, [TE_RUNS[:1]], te_runs)} | {_times(_ratio(engine, loka))} "
+                    f"| {_times(peak)} ({_times(window)}) |"
                 )
         if rows:
             lines += [
                 f"### {recipe}", "",
                 "| LoKA run | seed | LoKA ms | user's job, faster mode ms | vs user's job | torchao, faster ms | vs torchao "
-                "| peak memory vs user's job, whole run (timed window) |",
-                "|---|---|---|---|---|---|---|---|", *rows, "",
+                "| TE, faster ms | vs TE | peak memory vs user's job, whole run (timed window) |",
+                "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
             ]  # fmt: skip
     if not lines:
         return []
@@ -1071,7 +1078,8 @@ def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence
         "## Against the strongest baselines",
         "",
         f"Each LoKA run against the faster of the user's job's compile modes (`{'`, `'.join(USER_JOB_REFERENCES)}`) and the "
-        "faster of torchao's compiled runs (tensorwise and rowwise, auto filter, either compile mode), in the same call: the "
+        "faster of torchao's compiled runs (tensorwise and rowwise, auto filter, either compile mode) and of Transformer "
+        f"Engine's (`{'`, `'.join(TE_RUNS)}`; its CUDA-graph helper runs on the dense part alone), in the same call: the "
         "baseline's median step over LoKA's (above 1: LoKA is faster), and LoKA's peak GPU memory over the user's job's "
         "(below 1: LoKA uses less). A baseline run that is not in the call is named: the ratio is then against a "
         "weaker baseline than a user may run.",

@@ -557,9 +557,13 @@ def test_the_strongest_baselines_section_takes_the_faster_of_each_and_names_what
     assert float(cells[4].rstrip("x")) == pytest.approx(13 / 12, abs=1e-3)
     assert cells[5] == "12.50 (`torchao_rowwise_compile`); not run: `torchao_tensorwise_compile`"  # it failed
     assert float(cells[6].rstrip("x")) == pytest.approx(12.5 / 12, abs=1e-3)
-    assert cells[7] == "1.200x (0.800x)"  # 6.0 / 5.0 over the run, 2.0 / 2.5 in the window
+    assert cells[7:9] == ["not run", "n/a"]  # no TE in this call
+    assert cells[9] == "1.200x (0.800x)"  # 6.0 / 5.0 over the run, 2.0 / 2.5 in the window
     row1 = next(line for line in lines if line.startswith("| loka_nomods_compile | 1 |"))
-    assert "| not run | n/a | not run | n/a |" in row1
+    assert "| not run | n/a | not run | n/a | not run | n/a |" in row1
+    with_te = e2e.strongest_baselines_section(records + [_rec("te", 0, 15.0)], ["r"])
+    cells = [c.strip() for c in next(line for line in with_te if line.startswith("| loka_nomods_compile | 0 |")).strip("|").split("|")]
+    assert cells[7] == "15.00 (`te`); not run: `te_compile`" and float(cells[8].rstrip("x")) == pytest.approx(15 / 12, abs=1e-3)
     only_graphs = [r for r in records if r["run"] != "plain_compile"]
     row = next(line for line in e2e.strongest_baselines_section(only_graphs, ["r"]) if line.startswith("| loka_nomods_compile | 0 |"))
     assert "13.00 (`plain_compile_cudagraphs`); not run: `plain_compile`" in row
