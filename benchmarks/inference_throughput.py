@@ -1,7 +1,8 @@
-"""Inference of a DHEN model's dense part: latency and throughput per batch size, bf16 against FP8.
+"""Inference of a model's dense part: latency and throughput per batch size, bf16 against FP8.
 
-The serving side of :mod:`loka_torchrec.inference`: the ``over_arch`` of the DHEN-style model at a
-preset's sizes (with the Mods, the architecture LoKA's runs train), forward only under
+The serving side of :mod:`loka_torchrec.inference`: the ``over_arch`` of a pooled-feature model of
+the reference job (``--model``: DHEN with the Mods, the architecture LoKA's DHEN runs train; Wukong
+or DCN-V2 as their users write them) at a preset's sizes (its recipe's tables), forward only under
 ``torch.inference_mode``, batches of random pooled embeddings, timed per call (CUDA events on a
 GPU; median, p99 and rows per second over ``--reps`` calls after ``--warmup``), every run in this
 one process:
@@ -43,7 +44,9 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 import loka_torchrec
+from loka_job.models.dcn_v2 import DcnV2Config, DcnV2OverArch
 from loka_job.models.dhen import DhenConfig, DhenOverArch
+from loka_job.models.wukong import WukongConfig, WukongOverArch
 from loka_torchrec.atomic_files import write_text_atomic
 from loka_torchrec.dispatch import DispatchConfig
 from loka_torchrec.fp8.error_metrics import sqnr_db
@@ -55,13 +58,30 @@ RUNS = (
     "bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_rowwise_compile", "torchao_tensorwise_compile",
     "loka_export", "loka_export_compile", "loka_export_compile_cudagraphs",
 )  # fmt: skip
-FEATURES = {"small": 7, "large": 7, "xl": 63}
+# model -> (its config class, its over arch, the Mods preset of the model served)
+MODELS = {"dhen": (DhenConfig, DhenOverArch, "all"), "wukong": (WukongConfig, WukongOverArch, "none"),
+          "dcnv2": (DcnV2Config, DcnV2OverArch, "none")}  # fmt: skip
+PRESETS = ("small", "large", "xl")
 NUM_DENSE = 13
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+
+
+def pooled_tables(model: str, preset: str) -> int:
+    """The pooled features of ``model``'s ``preset`` recipe (``recipes/model/<model>[_<preset>].yaml``,
+    else the pooled data default), so that a plan trained with that recipe fits the layers built here."""
+    import yaml
+
+    name = model if preset == "small" else f"{model}_{preset}"
+    with open(os.path.join(RECIPES, "data", "pooled.yaml")) as f:
+        tables = yaml.safe_load(f)["num_tables"]
+    with open(os.path.join(RECIPES, "model", f"{name}.yaml")) as f:
+        return int((yaml.safe_load(f).get("data") or {}).get("num_tables", tables))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="xl", choices=tuple(FEATURES))
+    p.add_argument("--model", default="dhen", choices=tuple(MODELS))
+    p.add_argument("--preset", default="xl", choices=PRESETS)
     p.add_argument("--batch-sizes", default="512,2048,8192", help="comma-separated rows per call")
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--plan", help="a dispatch_plan.json of a training run (pinned) for the loka_export runs")
@@ -103,19 +123,20 @@ class DensePart(nn.Module):
         return self.over_arch(dense, pooled)
 
 
-def build(preset: str, device: torch.device, dtype: torch.dtype) -> DensePart:
-    config = getattr(DhenConfig, preset)()
-    features = [f"f{i}" for i in range(FEATURES[preset])]
+def build(model_name: str, preset: str, device: torch.device, dtype: torch.dtype) -> DensePart:
+    config_class, over_arch, mods = MODELS[model_name]
+    config = getattr(config_class, preset)()
+    features = [f"f{i}" for i in range(pooled_tables(model_name, preset))]
     torch.manual_seed(0)
-    model = DensePart(DhenOverArch(features, NUM_DENSE, config, device), features, config.embedding_dim)
-    apply_mods(model, ModsConfig(preset="all"))
+    model = DensePart(over_arch(features, NUM_DENSE, config, device), features, config.embedding_dim)
+    apply_mods(model, ModsConfig(preset=mods))
     return model.to(dtype).eval()
 
 
 def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows: Optional[int] = None) -> nn.Module:
     """The model of ``run`` (LoKA's serving form chosen at ``serving_rows``, where given); raises
     ``RuntimeError`` with the reason where it cannot run here."""
-    model = build(args.preset, device, dtype)
+    model = build(args.model, args.preset, device, dtype)
     if run.startswith("torchao"):
         if device.type != "cuda":
             raise RuntimeError("torchao's float8 inference needs a CUDA GPU")
@@ -142,10 +163,10 @@ def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows:
     return model
 
 
-def inputs(preset: str, batch: int, device: torch.device, dtype: torch.dtype):
+def inputs(model_name: str, preset: str, batch: int, device: torch.device, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(batch)
-    dim = getattr(DhenConfig, preset)().embedding_dim
-    values = torch.randn(batch, FEATURES[preset] * dim, generator=gen, device=device, dtype=dtype)
+    dim = getattr(MODELS[model_name][0], preset)().embedding_dim
+    values = torch.randn(batch, pooled_tables(model_name, preset) * dim, generator=gen, device=device, dtype=dtype)
     return torch.randn(batch, NUM_DENSE, generator=gen, device=device, dtype=dtype), values
 
 
@@ -173,10 +194,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    reference = build(args.preset, device, dtype)
+    reference = build(args.model, args.preset, device, dtype)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.machine()}"
     meta = {"date": datetime.date.today().isoformat(), "device": device_name, "versions": _versions(),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "preset": args.preset}  # fmt: skip
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "model": args.model, "preset": args.preset}  # fmt: skip
     rows: List[Dict[str, object]] = []
     for done, run in enumerate(args.runs):
         # The files are written before each run as well: a run cut short (a deadline) leaves the finished ones.
@@ -191,7 +212,7 @@ def main(argv=None) -> int:
         for i, batch in enumerate(args.batch_sizes):
             if per_batch and i:
                 model = make(run, args, device, dtype, serving_rows=batch)
-            batch_inputs = inputs(args.preset, batch, device, dtype)
+            batch_inputs = inputs(args.model, args.preset, batch, device, dtype)
             with torch.inference_mode():
                 agreement = sqnr_db(model(*batch_inputs).double(), reference(*batch_inputs).double())
             row = {"run": run, "status": "ok", "batch": batch, "sqnr_vs_bf16_db": agreement, **measure(model, batch_inputs, args, device)}
@@ -220,7 +241,7 @@ def markdown(meta: Dict[str, object], rows: List[Dict[str, object]]) -> str:
         if r["status"] == "ok" and str(r["run"]).startswith("bf16"):
             best[r["batch"]] = min(best.get(r["batch"], float("inf")), r["median_ms"])
     lines = [
-        f"# Inference of the DHEN `{meta['preset']}` dense part, {meta['date']}", "",
+        f"# Inference of the `{meta.get('model', 'dhen')}` `{meta['preset']}` dense part, {meta['date']}", "",
         f"- device: {meta['device']}; versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
         f"- command: `{meta['command']}`",
         *([f"- not finished (the process ended first): {', '.join(meta['unfinished'])}"] if meta.get("unfinished") else []),

@@ -11,7 +11,8 @@
 #                                     bf16 / torchao / LoKA (PLAN: a dispatch_plan.json, or a static
 #                                     mode such as all:scaled_mm:tensorwise) compiled;
 #                                     RUNS: comma-separated (default: all of the script's runs)
-#   inference NAME PRESET PLAN [RUNS] benchmarks/inference_throughput.py: the DHEN dense part forward only, bf16 /
+#   inference NAME PRESET PLAN [RUNS] benchmarks/inference_throughput.py: a model's dense part (DHEN; INFERENCE_ARGS
+#                                     "--model wukong" or "--model dcnv2" for those) forward only, bf16 /
 #                                     torchao float8 inference / LoKA's serving form of PLAN (a dispatch_plan.json,
 #                                     or a static mode such as all:scaled_mm:rowwise), batch sizes INFERENCE_BATCHES
 #                                     (default 512,2048,8192)

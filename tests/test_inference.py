@@ -226,11 +226,41 @@ def test_the_inference_benchmark_compiles_every_run_with_static_shapes(monkeypat
     spec.loader.exec_module(bench)
     calls = []
     monkeypatch.setattr(bench.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
-    args = argparse.Namespace(preset="small", plan=None, mode="all:scaled_mm:rowwise")
+    args = argparse.Namespace(model="dhen", preset="small", plan=None, mode="all:scaled_mm:rowwise")
     for run in ("bf16_compile", "bf16_compile_cudagraphs", "loka_export_compile", "loka_export_compile_cudagraphs"):
         bench.make(run, args, torch.device("cpu"), torch.float32)
     assert [c["mode"] for c in calls] == ["default", "reduce-overhead", "default", "reduce-overhead"]
     assert all(c["dynamic"] is False for c in calls)
+
+
+def test_the_inference_benchmark_serves_the_zoo_models_at_their_recipes_sizes(tmp_path):
+    """``--model wukong|dcnv2``: the over arch of the user's model (no Mods) with its recipe's pooled
+    tables, bf16 against LoKA's serving form; the DHEN xl layers keep the 63 features its plan has."""
+    import importlib.util
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("inference_throughput", os.path.join(root, "benchmarks", "inference_throughput.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [bench.pooled_tables(m, p) for m, p in (("dhen", "xl"), ("wukong", "large"), ("wukong", "xl"), ("dcnv2", "small"))] == [63, 31, 63, 8]
+    out = tmp_path / "wukong"
+    assert bench.main(["--model", "wukong", "--preset", "small", "--batch-sizes", "8", "--runs", "bf16,loka_export",
+                       "--mode", "all:scaled_mm:rowwise", "--device", "cpu", "--reps", "2", "--warmup", "1", "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "wukong.json").read_text())
+    assert result["model"] == "wukong" and result["unfinished"] == []
+    loka = next(r for r in result["rows"] if r["run"] == "loka_export")
+    assert re.fullmatch(r"(\d+)/\1 linear layers in FP8 for inference, 0 in high precision.*", loka["fp8"])
+    assert 15.0 <= loka["sqnr_vs_bf16_db"] < 60.0
+    assert (tmp_path / "wukong.md").read_text().startswith("# Inference of the `wukong` `small` dense part")
+    def kinds(model):
+        return {type(m).__name__ for m in model.modules()}
+
+    mods = {"BlockNorm", "PaddedLinear", "SiblingLinears"}  # what the Mods put in
+    assert mods <= kinds(bench.build("dhen", "small", torch.device("cpu"), torch.float32))  # DHEN: as LoKA's runs train it
+    model = bench.build("dcnv2", "small", torch.device("cpu"), torch.float32)
+    assert not mods & kinds(model)  # a zoo model: the user's, unchanged
+    assert model(*bench.inputs("dcnv2", "small", 4, torch.device("cpu"), torch.float32)).shape == (4,)
 
 
 def test_at_the_serving_rows_a_layer_stays_fp8_only_where_its_forward_is_faster():
