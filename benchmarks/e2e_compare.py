@@ -959,10 +959,11 @@ def _ms_cell(record: Optional[Dict[str, Any]]) -> str:
     return f"{record['median_step_ms']:.2f} (`{record['run']}`)" if record else "n/a"
 
 
-def _ratio(slower: Optional[Dict[str, Any]], faster: Optional[Dict[str, Any]]) -> Optional[float]:
-    if not slower or not faster:
+def _ratio(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]], key: str = "median_step_ms") -> Optional[float]:
+    """``a[key] / b[key]`` (by default the earlier step time over the later: a speed-up), where both are known."""
+    if not a or not b or not a.get(key) or not b.get(key):
         return None
-    return slower["median_step_ms"] / faster["median_step_ms"]
+    return a[key] / b[key]
 
 
 def gain_split_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> List[str]:
@@ -1057,8 +1058,8 @@ def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence
                 if not loka.get("median_step_ms"):
                     continue
                 mine, theirs, engine = user.get(seed), torchao.get(seed), te.get(seed)
-                peak = _ratio_of(loka, mine, "peak_memory_gb")
-                window = _ratio_of(loka, mine, "peak_memory_window_gb")
+                peak = _ratio(loka, mine, "peak_memory_gb")
+                window = _ratio(loka, mine, "peak_memory_window_gb")
                 rows.append(
                     f"| {run} | {seed} | {loka['median_step_ms']:.2f} | {_baseline_cell(mine, [(n,) for n in USER_JOB_REFERENCES], user_runs)} "
                     f"| {_times(_ratio(mine, loka))} | {_baseline_cell(theirs, TORCHAO_RECIPES, torchao_runs)} "
@@ -1086,13 +1087,6 @@ def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence
         "",
         *lines,
     ]
-
-
-def _ratio_of(mine: Dict[str, Any], theirs: Optional[Dict[str, Any]], key: str) -> Optional[float]:
-    """``mine[key] / theirs[key]`` where both are known."""
-    if not theirs or not mine.get(key) or not theirs.get(key):
-        return None
-    return mine[key] / theirs[key]
 
 
 def serving_section(records: List[Dict[str, Any]]) -> List[str]:

@@ -574,7 +574,7 @@ class Trainer:
                     host_window.leave_out()  # the profiled steps and the profiler's own work after them
                 profiler.before_step(step + 1)
             t0 = time.perf_counter() if cfg.step_sync else last_end
-            eager_step = self.loka is not None and self.loka.eager_at(step + 1)  # compiled modules run eagerly (Probe)
+            eager_step = cuda and self.loka is not None and self.loka.eager_at(step + 1)  # for the peak trace
             # LoKA drives each step as any job's loop does (Loka.step): eager probe steps, plans, the
             # step-time guard (a profiled step, or one after an evaluation or checkpoint, is not timed).
             timed = not clock_restarted and (profiler is None or not profiler.covers(step + 1))
@@ -617,9 +617,7 @@ class Trainer:
                 ready = self.loka is None or self.loka.step_times_free()
                 self.dense_check.observe(step, None if profiled or not timed else 1e3 * seconds, ready=ready)
             allocated_gib = torch.cuda.memory_allocated(self.ctx.device) / 2**30 if cuda else None  # host-side: no sync
-            planned = self.loka is not None and self.loka.dispatcher.plan.step == step  # a plan made at the step's end
-            self._trace_peak(f"step {step}" + (" (compiled modules eager: a probe step)" if eager_step else "")
-                             + (" (a plan made at its end)" if planned else ""))  # fmt: skip
+            self._trace_peak(lambda: self._step_label(step, eager_step))
             if allocated_gib is not None:
                 growing = self.memory_trend.observe(step, allocated_gib)
                 if growing is not None:
@@ -638,13 +636,13 @@ class Trainer:
                 host_window.leave_out()
                 self._log({"step": step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
                 last_end, clock_restarted = self._restart_step_clock(), True
-                self._trace_peak(f"evaluation after step {step}")
+                self._trace_peak(lambda: f"evaluation after step {step}")
                 host_window.take_back()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not self.nonfinite.consecutive:
                 host_window.leave_out()
                 self.save(step)  # never in a streak of non-finite steps: a checkpoint is a good state
                 last_end, clock_restarted = self._restart_step_clock(), True
-                self._trace_peak(f"checkpoint after step {step}")
+                self._trace_peak(lambda: f"checkpoint after step {step}")
                 host_window.take_back()
             if bar is not None:
                 bar.update(1)
@@ -661,7 +659,7 @@ class Trainer:
         # Preempted before the last step: a final checkpoint, no final evaluation (the time left is short).
         preempted = self._stop_for_preemption(step) if self.nonfinite.stop_agreed and step < cfg.steps else None
         final_eval = {} if preempted else self.evaluate(export=cfg.export_serving)
-        self._trace_peak("the final evaluation" + (" and the serving export" if cfg.export_serving else ""))
+        self._trace_peak(lambda: "the final evaluation" + (" and the serving export" if cfg.export_serving else ""))
         if final_eval:
             self._log({"step": step, **{f"eval/{k}": v for k, v in final_eval.items()}})
         if self.probe is not None:
@@ -942,9 +940,20 @@ class Trainer:
             f.flush()
         logger.info("%s", " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
-    def _trace_peak(self, label: str) -> None:
-        if self.ctx.device.type == "cuda":
-            self.peak_trace.observe(label, torch.cuda.max_memory_allocated(self.ctx.device))
+    def _trace_peak(self, label: Callable[[], str]) -> None:
+        """Note the device's peak memory after the work ``label()`` names (called only where the peak rose)."""
+        if self.ctx.device.type != "cuda":
+            return
+        peak = torch.cuda.max_memory_allocated(self.ctx.device)  # a host-side counter: no sync
+        if peak > self.peak_trace.peak:
+            self.peak_trace.observe(label(), peak)
+
+    def _step_label(self, step: int, eager: bool) -> str:
+        """Training step ``step`` for the peak trace: whether its compiled modules ran eagerly (a probe
+        step) and whether a plan was made at its end."""
+        planned = self.loka is not None and self.loka.dispatcher.plan.step == step
+        return (f"step {step}" + (" (compiled modules eager: a probe step)" if eager else "")
+                + (" (a plan made at its end)" if planned else ""))  # fmt: skip
 
     def _peak_memory_gb(self) -> Dict[str, Optional[float]]:
         """Peak GPU memory allocated by PyTorch (``torch.cuda.max_memory_allocated``), in GiB, the

@@ -158,7 +158,7 @@ class SafetyValve:
         for tensor in ("act", "grad"):
             witnesses = [name for name in bf16 if tensor in judged[name]]
             spiked = [name for name in witnesses if any(t.tensor == tensor and t.signal == "kurtosis_spike" for t in triggers[name])]
-            if len(witnesses) >= 2 and len(spiked) >= share * len(witnesses) and len(spiked) >= 2:
+            if len(spiked) >= max(2, share * len(witnesses)):  # spiked is a subset of witnesses
                 out[tensor] = f"{len(spiked)} of {len(witnesses)} layers that run bf16"
         return out
 
