@@ -445,6 +445,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for <date>-<name>.json/.md/.png")
     p.add_argument("--runs-dir", default=None, help="folder for the runs' own outputs (default: <out>/<date>-<name>-runs)")
     p.add_argument("--name", default="e2e")
+    p.add_argument(
+        "--reread", default=None, metavar="JSON",
+        help="rebuild an earlier call's report (its .json, .md, .png) from its runs' folders (--runs-dir, default the "
+        "folder the JSON names): a run stopped after its last training step counts, with the reason; nothing is run",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.recipes = _names(args.recipes)
     args.runs = _names(args.runs)
@@ -611,17 +616,34 @@ def launch(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: int, run_
     record["returncode"] = rc
     with open(log_path, errors="replace") as f:
         text = f.read()
+    status = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
+    reason = f"timed out after {timeout:.0f} s" if timed_out else (None if rc == 0 else error_reason(text) or f"exit status {rc}")
+    record.update(read_run(run_dir, status, reason, args.steps))
+    if record["status"] != "ok":
+        record["log_tail"] = text[-3000:]
+    return record
+
+
+def read_run(run_dir: str, status: str, reason: Optional[str], steps: int) -> Dict[str, Any]:
+    """A run's status, reason and metrics from its folder, given how its process ended.
+
+    A run whose process ended badly still counts when its ``summary.json`` records every one of
+    its ``steps`` training steps: the timed window is complete, and it was stopped after it (by the
+    run timeout during the final evaluation, say; the job writes its summary when told to stop).
+    Its reason says so. Without a complete summary, the run keeps the status it ended with.
+    """
     summary_path = os.path.join(run_dir, "summary.json")
-    if rc == 0 and not timed_out and os.path.isfile(summary_path):
+    summary = None
+    if os.path.isfile(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
-        record.update(status="ok", reason=None, **metrics_from_summary(summary))
-        record["gpu_window"] = gpu_window(samples_path, summary.get("timed_window_unix"))
-    else:
-        status = "timeout" if timed_out else "failed"
-        reason = f"timed out after {timeout:.0f} s" if timed_out else error_reason(text) or f"exit status {rc}"
-        record.update(status=status, reason=reason, log_tail=text[-3000:])
-    return record
+    if summary is None or (status != "ok" and int(summary.get("steps") or 0) < steps):
+        return {"status": "failed" if status == "ok" else status, "reason": reason or "no summary.json written"}
+    if status != "ok":
+        reason = f"{reason}, after its last training step ({summary.get('steps')}); its summary is complete"
+    out = dict(status="ok", reason=reason, **metrics_from_summary(summary))
+    out["gpu_window"] = gpu_window(os.path.join(run_dir, "gpu_samples.csv"), summary.get("timed_window_unix"))
+    return out
 
 
 _GPU_FIELDS = ("timestamp", "clocks.sm", "power.draw", "temperature.gpu")
@@ -712,6 +734,7 @@ def metrics_from_summary(s: Dict[str, Any]) -> Dict[str, Any]:
             "step_guard": loka.get("step_guard"),
             "seconds": loka.get("seconds"),
             "monitoring": loka.get("monitoring"),
+            "planning_peak_rises": loka.get("planning_peak_rises") or [],
         }
     if loka and loka.get("comms"):
         out["comms"] = loka["comms"]  # the precisions in force and how "auto" decided them
@@ -933,20 +956,38 @@ def peak_memory_section(records: List[Dict[str, Any]]) -> List[str]:
         if r["status"] != "ok" or not rises:
             continue
         earlier = "; ".join(f"{x['at']} {x['gib']:.2f}" for x in rises[:-1])
-        rows.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {rises[-1]['at']} | {rises[-1]['gib']:.2f} | {earlier or '-'} |")
+        planning = _planning_rises_cell((r.get("dispatch") or {}).get("planning_peak_rises"))
+        rows.append(
+            f"| {r['recipe']} | {r['run']} | {r['seed']} | {rises[-1]['at']} | {rises[-1]['gib']:.2f} | {earlier or '-'} | {planning} |"
+        )
     if not rows:
         return []
     return [
         "## Where the peak memory was set",
         "",
         "Rank 0's peak allocated GPU memory (GiB) after each step, evaluation and checkpoint: the work during which it "
-        "last rose (where the whole run's peak was set), and its earlier rises.",
+        "last rose (where the whole run's peak was set), and its earlier rises. Planning work: inside LoKA's planning, "
+        "the Probe's evaluation of a layer, the layer check or the gradient check that raised the peak, by how much "
+        "(GiB) and to what, in order (rank 0; the three largest rises of the Probe's evaluations, n/a: not recorded).",
         "",
-        "| recipe | run | seed | peak set at | GiB | earlier rises (GiB) |",
-        "|---|---|---|---|---|---|",
+        "| recipe | run | seed | peak set at | GiB | earlier rises (GiB) | planning work that raised it |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]
+
+
+def _planning_rises_cell(rises: Optional[List[Dict[str, Any]]]) -> str:
+    """The planning phases that raised the peak: the checks all, the Probe's layer evaluations the
+    three largest rises (there is one phase per layer), in the order they ran."""
+    if rises is None:
+        return "n/a"
+    evaluations = sorted((x for x in rises if str(x["phase"]).startswith("probe")), key=lambda x: -x["rise_gib"])[3:]
+    shown = [x for x in rises if x not in evaluations]
+    cells = [f"{x['phase']} +{x['rise_gib']:.2f} to {x['gib']:.2f}" for x in shown]
+    if evaluations:
+        cells.append(f"{len(evaluations)} smaller evaluation rise(s), +{sum(x['rise_gib'] for x in evaluations):.2f} in all")
+    return ("; ".join(cells) or "-").replace("|", "\\|")
 
 
 def _host_cell(host: Optional[Dict[str, float]]) -> str:
@@ -1305,6 +1346,10 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         f"(median, p10/p90 and mean of per-step times; the mean counts the Probe's monitoring steps, {_timing_words(a.get('override') or [], a['device'])}; rank 0), "
         f"`train.autocast={a['autocast']}`, seeds {', '.join(map(str, a['seeds']))}"
         + (", deterministic kernels (`train.deterministic=true`)" if a.get("deterministic") else ""),
+    ]
+    if meta.get("reread"):
+        lines.append(f"- reread on {meta['reread']['date']} from the runs' folders (`--reread`): runs stopped after their last step count")
+    lines += [
         "- compile: each run's `train.compile` mode (none: eager; default: Inductor; reduce-overhead: Inductor "
         "and CUDA graphs), the dense modules compiled, the embeddings eager",
         "- speed-ups: a reference's step time over the run's, mean over the seeds both completed, against three "
@@ -1474,8 +1519,38 @@ def run_order(args: argparse.Namespace) -> List[Tuple[int, str, str]]:
     return order
 
 
+def reread_report(json_path: str, runs_dir: Optional[str]) -> int:
+    """``--reread``: read each run of an earlier call again from its folder (:func:`read_run`), and
+    write that call's report again in place. Runs that completed keep their records."""
+    with open(json_path) as f:
+        result = json.load(f)
+    settings = result["settings"]
+    runs_dir = os.path.abspath(runs_dir or result["runs_dir"])
+    records = result["runs"]
+    for r in records:
+        run_dir = os.path.join(runs_dir, r["recipe"], r["run"], f"seed{r['seed']}")
+        if r["status"] in ("timeout", "failed") and os.path.isdir(run_dir):
+            r.update(read_run(run_dir, r["status"], r.get("reason"), int(settings["steps"])))
+            print(f"[e2e] reread {r['recipe']} / {r['run']} / seed {r['seed']}: {r['status']} ({r.get('reason')})", flush=True)
+    base = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
+    meta = {k: v for k, v in result.items() if k not in ("table", "runs", "plot", "plot_skipped")}
+    meta["reread"] = {"runs_dir": runs_dir, "date": datetime.date.today().isoformat()}
+    rows = aggregate(records, settings["recipes"], settings["runs"])
+    out = dict(meta, table=rows, runs=records)
+    problem = plot(base + ".png", rows, settings["recipes"])
+    out["plot"] = None if problem else base + ".png"
+    if problem:
+        out["plot_skipped"] = problem
+    write_text_atomic(base + ".json", json.dumps(out, indent=1, default=str))
+    write_text_atomic(base + ".md", to_markdown(meta, rows, records))
+    print(f"[e2e] rewrote {base}.json, {base}.md", flush=True)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.reread:
+        return reread_report(args.reread, args.runs_dir)
     start = time.perf_counter()
     deadline = start + args.max_seconds
     today = datetime.date.today().isoformat()

@@ -163,6 +163,7 @@ def test_cpu_smoke_run_writes_json_md_and_plot(tmp_path):
     # planned FP8 (a short CPU run's safety valve may hold layers in bf16: in force can be fewer)
     assert dispatch["fp8_gemms_planned"] > 0 and sum(dispatch["fp8_by_backend"].values()) == dispatch["fp8_gemms_planned"]
     assert dispatch["fp8_gemms"] <= dispatch["fp8_gemms_planned"]
+    assert dispatch["planning_peak_rises"] == []  # CPU: no device peak to read
     assert runs["bf16"]["dispatch"]["fp8_gemms"] == 0 and "dispatch" not in runs["bf16_nomods"]
     assert runs["te"]["status"] == "skipped" and "CUDA only" in runs["te"]["reason"]
     rows = {r["run"]: r for r in result["table"]}
@@ -577,11 +578,75 @@ def test_the_peak_memory_section_names_the_work_that_set_each_runs_peak():
     records = [dict(_rec("loka_compile", 0, 10.0), peak_memory_rises=rises), _rec("bf16", 0, 12.0),
                dict(_rec("plain_compile", 0, 11.0), peak_memory_rises=rises[:1])]  # fmt: skip
     lines = e2e.peak_memory_section(records)
-    assert "| r | loka_compile | 0 | step 30 (compiled modules eager: a probe step) | 5.15 | step 1 3.00 |" in lines
-    assert "| r | plain_compile | 0 | step 1 | 3.00 | - |" in lines
+    assert "| r | loka_compile | 0 | step 30 (compiled modules eager: a probe step) | 5.15 | step 1 3.00 | n/a |" in lines
+    assert "| r | plain_compile | 0 | step 1 | 3.00 | - | n/a |" in lines
     assert not any("| bf16 |" in line for line in lines)  # no trace (a CPU run, an older summary)
     assert e2e.peak_memory_section([_rec("bf16", 0, 12.0)]) == []
     assert e2e.metrics_from_summary({"peak_memory_rises": rises})["peak_memory_rises"] == rises
+
+
+def test_the_peak_memory_section_names_the_planning_work_that_raised_the_peak():
+    e2e = _driver()
+    planning = [{"phase": f"probe: evaluating layer{i}", "rise_gib": 0.1 * (i + 1), "gib": 3.0 + i} for i in range(5)]
+    planning.insert(2, {"phase": "dispatch: layer check at step 39", "rise_gib": 2.5, "gib": 9.0})
+    summary = {"peak_memory_rises": [{"at": "step 39 (a plan made at its end)", "gib": 9.0, "rise_gib": 6.0}],
+               "loka": {"planning_peak_rises": planning}}  # fmt: skip
+    record = dict(_rec("loka_compile", 0, 10.0), **e2e.metrics_from_summary(summary))
+    row = next(line for line in e2e.peak_memory_section([record]) if "| loka_compile |" in line)
+    cell = row.strip("|").split("|")[-1].strip()
+    # the check in full and in order; of the five evaluations the three largest rises, the two others summed
+    assert cell == (
+        "dispatch: layer check at step 39 +2.50 to 9.00; probe: evaluating layer2 +0.30 to 5.00; "
+        "probe: evaluating layer3 +0.40 to 6.00; probe: evaluating layer4 +0.50 to 7.00; "
+        "2 smaller evaluation rise(s), +0.30 in all"
+    )
+    summary["loka"]["planning_peak_rises"] = []
+    record = dict(_rec("loka_compile", 0, 10.0), **e2e.metrics_from_summary(summary))
+    assert next(line for line in e2e.peak_memory_section([record]) if "| loka_compile |" in line).endswith("| - |")
+
+
+def test_a_run_stopped_after_its_last_step_counts_and_says_so(tmp_path):
+    """A run killed by the timeout during its final evaluation has written every step's time: its
+    summary counts, with the reason; a run stopped earlier, or without a summary, does not."""
+    e2e = _driver()
+    run = tmp_path / "r" / "loka_compile" / "seed0"
+    run.mkdir(parents=True)
+    assert e2e.read_run(str(run), "timeout", "timed out after 284 s", 330) == {"status": "timeout", "reason": "timed out after 284 s"}
+    assert e2e.read_run(str(run), "ok", None, 330)["status"] == "failed"  # exit 0 without a summary
+    (run / "summary.json").write_text(json.dumps({"steps": 200, "median_step_ms": 86.0}))
+    assert e2e.read_run(str(run), "timeout", "timed out after 284 s", 330)["status"] == "timeout"
+    (run / "summary.json").write_text(json.dumps({"steps": 330, "median_step_ms": 86.0}))
+    late = e2e.read_run(str(run), "timeout", "timed out after 284 s", 330)
+    assert late["status"] == "ok" and late["median_step_ms"] == 86.0
+    assert late["reason"] == "timed out after 284 s, after its last training step (330); its summary is complete"
+    assert e2e.read_run(str(run), "ok", None, 330)["reason"] is None
+
+
+def test_reread_rebuilds_an_earlier_report_from_the_runs_folders(tmp_path):
+    e2e = _driver()
+    runs = tmp_path / "runs"
+    records = []
+    for name, ms, status in (("bf16_compile", 110.0, "ok"), ("loka_compile_default", None, "timeout")):
+        folder = runs / "r" / name / "seed0"
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"steps": 30, "median_step_ms": ms or 86.0, "eval_ne": 0.8}))
+        rec = dict(_rec(name, 0, ms), status=status, run_dir=f"/elsewhere/{name}")
+        if status != "ok":
+            rec.update(reason="timed out after 284 s", median_step_ms=None)
+        records.append(rec)
+    settings = {"recipes": ["r"], "runs": ["bf16_compile", "loka_compile_default"], "seeds": [0], "steps": 30,
+                "window_start": 15, "probe_warmup": 5, "nproc": 1, "device": "cpu", "autocast": "bf16", "override": []}  # fmt: skip
+    earlier = {"date": "2026-11-28", "device": "cpu", "command": "e2e_compare.py", "versions": {}, "settings": settings,
+               "runs_dir": "/elsewhere", "seconds": 5.0, "table": [], "runs": records}  # fmt: skip
+    path = tmp_path / "call.json"
+    path.write_text(json.dumps(earlier))
+    assert e2e.main(["--reread", str(path), "--runs-dir", str(runs)]) == 0
+    again = json.loads(path.read_text())
+    loka = next(r for r in again["runs"] if r["run"] == "loka_compile_default")
+    assert loka["status"] == "ok" and loka["median_step_ms"] == 86.0 and "its summary is complete" in loka["reason"]
+    row = next(r for r in again["table"] if r["run"] == "loka_compile_default")
+    assert row["median_step_ms"] == 86.0
+    assert "`--reread`" in (tmp_path / "call.md").read_text()
 
 
 def test_comms_section_shows_the_collectives_of_multi_rank_runs_only():

@@ -1019,6 +1019,10 @@ class Trainer:
                 "probe": dict(self.probe.seconds) if self.probe is not None else None,
                 "dispatch": dict(self.loka.dispatcher.seconds),
             },
+            # The planning work that raised this rank's peak GPU memory (loka_torchrec.peak_rises), in order.
+            "planning_peak_rises": [
+                *(self.probe.peak_rises.rises if self.probe is not None else []), *self.loka.dispatcher.peak_rises.rises,
+            ],
             "monitoring": self.probe.cadence.summary() if self.probe is not None else None,
             "comms": self.loka.comms_summary(),
             "comms_choice": None if self.loka.comms_choice is None else self.loka.comms_choice.to_dict(),

@@ -52,6 +52,7 @@ from loka_torchrec.dispatch.step_guard import GuardVerdict, StepTimeGuard
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.json_values import json_line
+from loka_torchrec.peak_rises import PeakRises
 
 __all__ = ["Dispatcher", "PlanMismatchError", "resolve_candidates"]  # the last two re-exported
 
@@ -95,6 +96,7 @@ class Dispatcher(EvidenceConsumer):
         self._trials: Optional[PlanTrials] = None  # candidate plans the compiled step judges (plan_trials)
         self._readmitted: Set[str] = set()  # layers the valve readmitted since the guard's last verdict
         self.seconds = {"decide": 0.0, "layer_check": 0.0}  # host seconds spent planning, on this rank
+        self.peak_rises = PeakRises()  # the checks that raised the device's peak memory, on this rank
         self.step_guard_reason: Optional[str] = None  # set when the guard sent every GEMM back to bf16
         self.events: List[dict] = []
         self.plan: DispatchPlan = self._annotated(self._initial_plan())
@@ -160,7 +162,8 @@ class Dispatcher(EvidenceConsumer):
             self.seconds["decide"] += t1 - t0
             gated, checks = plan, []
             if self.config.layer_check_reps > 0:
-                plan, checks = self._check_layers(plan, step)
+                with self.peak_rises.phase(f"dispatch: layer check at step {step}", self._layers_device()):
+                    plan, checks = self._check_layers(plan, step)
             self.seconds["layer_check"] += time.perf_counter() - t1
             labelled = [(LAYER_CHECKED, plan)]
             if self._tries_plans():  # the compiled step judges the plans the layer check judged eagerly
@@ -221,10 +224,11 @@ class Dispatcher(EvidenceConsumer):
         """
         start = time.perf_counter()
         target = self.plan_to_check
-        plan, records = check_plan_gradients(
-            target, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db,
-            max_noise_ratio=self.config.max_grad_noise_ratio, compiled=self.config.compiled,
-        )
+        with self.peak_rises.phase(f"dispatch: gradient check at step {step}", self._layers_device()):
+            plan, records = check_plan_gradients(
+                target, self._layers, loss_fn, floor_db=self.config.min_grad_sqnr_db,
+                max_noise_ratio=self.config.max_grad_noise_ratio, compiled=self.config.compiled,
+            )
         if self._trials is not None:  # what the broadest candidate may not run in FP8, none may
             self._trials.demote_like(target, plan)
             self._trials.candidates = [self._annotated(p) for p in self._ranks.broadcast_plans(self._trials.candidates)]
@@ -645,6 +649,10 @@ class Dispatcher(EvidenceConsumer):
         return {
             name: (int(getattr(m, "last_rows", 0) or 0), m.in_features, m.out_features) for name, m in self._layers.items()
         }
+
+    def _layers_device(self) -> Optional[torch.device]:
+        """The device of the managed layers' weights (``None``: no layers)."""
+        return next((site.weight.device for site in self._layers.values()), None)
 
     def _device_name(self) -> str:
         device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))

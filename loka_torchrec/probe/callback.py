@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from loka_torchrec.evidence import CandidateEvidence, EvidenceConsumer
+from loka_torchrec.peak_rises import PeakRises
 from loka_torchrec.probe.cadence import MonitorCadence
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import device_name
@@ -120,6 +121,7 @@ class ProbeCallback:
         self._monitoring_steps: List[int] = []  # the steps after the warm-up window that probed
         self.skipped_monitoring_steps = 0  # monitoring steps skipped: no layer to guard
         self.seconds = {"hooks": 0.0, "merge": 0.0, "evaluate": 0.0, "evaluate_error": 0.0, "evaluate_speed": 0.0, "logs": 0.0}
+        self.peak_rises = PeakRises()  # the layer evaluations that raised the device's peak memory
         self._hooks = ProbeHooks(self._layers, consumer, self.seconds)
         if not self.enabled:
             return
@@ -135,7 +137,7 @@ class ProbeCallback:
             logger.warning("Probe: no layers to probe (no consumer layers, no `layers`, no nn.Linear in the model)")
         self._log = ProbeLog(run_dir, self.rank)
         self._reports = ProbeReports(self._log, self._layers, ranks, self.seconds)
-        self._evaluator = LayerEvaluator(self._layers, config, consumer, ranks, self.seconds)
+        self._evaluator = LayerEvaluator(self._layers, config, consumer, ranks, self.seconds, self.peak_rises)
         self._valve = SafetyValve(config, consumer, self._reports, ranks)
         self._probe_steps = 0
         self._last_step: Optional[int] = None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from loka_torchrec.evidence import BF16, CandidateEvidence, EvidenceConsumer, GemmRole, KernelChoice
 from loka_torchrec.gemm.backends import backend_names, get_backend
 from loka_torchrec.gemm.speed import SpeedCache
+from loka_torchrec.peak_rises import PeakRises
 from loka_torchrec.probe.config import ProbeConfig
 from loka_torchrec.probe.evaluate import evaluate_layer
 from loka_torchrec.probe.layer_state import LayerState
@@ -59,11 +60,12 @@ class LayerEvaluator:
             (then :func:`default_candidates`).
         ranks: the ranks that share the work.
         seconds: the Probe's time account (``"evaluate"``, ``"evaluate_error"``, ``"evaluate_speed"``).
+        peak_rises: where each layer's evaluation raised the device's peak memory (``None``: not kept).
     """
 
     def __init__(
         self, layers: Dict[str, LayerState], config: ProbeConfig, consumer: Optional[EvidenceConsumer], ranks: Ranks,
-        seconds: Dict[str, float],
+        seconds: Dict[str, float], peak_rises: Optional[PeakRises] = None,
     ) -> None:
         self._layers = layers
         self._config = config
@@ -72,6 +74,7 @@ class LayerEvaluator:
         self._training = consumer if consumer is not None else EvidenceConsumer()
         self._ranks = ranks
         self._seconds = seconds
+        self._peak_rises = peak_rises if peak_rises is not None else PeakRises()
         self.speed_cache: Optional[SpeedCache] = None  # made at the first round, on the layers' device
 
     def candidates(self, name: str) -> Dict[GemmRole, List[KernelChoice]]:
@@ -135,7 +138,7 @@ class LayerEvaluator:
         )
         try:
             parts: Dict[str, float] = {}
-            with torch.no_grad():
+            with torch.no_grad(), self._peak_rises.phase(f"probe: evaluating {name}", weight.device):
                 result = evaluate_layer(
                     snap, self.candidates(name), config=self._config, speed_cache=self.speed_cache,
                     seed=self._config.seed, seconds=parts,
