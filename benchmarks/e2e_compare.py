@@ -328,12 +328,13 @@ def comms_check_steps() -> int:
 def plan_trial_steps() -> int:
     """Steps the plan trials take at their defaults, at most (:mod:`loka_torchrec.dispatch.plan_trials`):
     one step-time guard window (settling steps, then timed steps) for each candidate plan, the
-    layer-checked, the ranked and the accuracy-gated one."""
+    layer-checked, the ranked and the accuracy-gated one, and two for the confirmation of the
+    fastest (bf16, then the candidate again)."""
     from loka_torchrec.dispatch.config import DispatchConfig
     from loka_torchrec.dispatch.step_guard import StepTimeGuard
 
     config, guard = DispatchConfig(), StepTimeGuard()
-    return (guard.settle + config.step_guard_window) * (2 + config.ranked_trials)
+    return (guard.settle + config.step_guard_window) * (2 + config.ranked_trials + 2 * config.confirm_trials)
 
 
 def probes(spec: RunSpec) -> bool:
@@ -403,7 +404,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help="model recipes (recipes/model/*.yaml), comma-separated")
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (NE differences are paired by seed)")
-    p.add_argument("--steps", type=int, default=500, help="training steps per run")
+    p.add_argument("--steps", type=int, default=600, help="training steps per run")
     p.add_argument(
         "--window-start",
         type=int,
@@ -1275,7 +1276,8 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         "(`loka.dispatch.layer_check_reps`). Guard: the step-time guard's verdict, median step in bf16 before the "
         "plan vs with the plan (`loka.dispatch.step_guard_window`); compiled, each candidate plan's median in turn "
         "(plan trials: layer-checked, the best-ranked layers the check sent back (`layer-ranked K/N`), then "
-        "accuracy-gated) and the one kept. Probe cost: the probe steps' extra time over "
+        "accuracy-gated), the fastest one's confirmation against bf16 run next to it (`loka.dispatch.confirm_trials`) "
+        "and the one kept. Probe cost: the probe steps' extra time over "
         "nearby plain steps, as a share of this run's step time, and projected for a 100k-step run at the run's "
         "cadence (the warm-up probe steps stand in for monitoring steps the run did not reach; monitoring every N "
         "steps: the interval `loka.probe.monitor_budget` sets for that extra). Plan seconds: host time of the "
@@ -1296,9 +1298,13 @@ def loka_section(records: List[Dict[str, Any]]) -> List[str]:
         if trials:  # compiled: each candidate plan's median, then the one kept
             tried = [t for t in trials if t.get("event") == "plan_trial"]
             chosen = next((t.get("chosen") for t in trials if t.get("event") == "plan_selected"), "?")
+            confirmed = "".join(
+                f"; confirmed next to bf16: {t.get('candidate')} {_fmt(t.get('fp8_ms'), '.2f')} vs bf16 {_fmt(t.get('bf16_ms'), '.2f')}"
+                for t in trials if t.get("event") == "plan_confirmation"
+            )
             guard = f"{_fmt(tried[0].get('bf16_ms'), '.2f')} -> " + ", ".join(
                 f"{t.get('candidate')} ({t.get('fp8_gemms')} FP8) {_fmt(t.get('fp8_ms'), '.2f')}" for t in tried
-            ) + f"; kept {chosen or 'bf16'}"
+            ) + f"{confirmed}; kept {chosen or 'bf16'}"
         elif verdicts:
             v = verdicts[-1]
             guard = f"{_fmt(v.get('bf16_ms'), '.2f')} -> {_fmt(v.get('fp8_ms'), '.2f')} ({'kept' if v.get('keep_fp8') else 'back to bf16'})"

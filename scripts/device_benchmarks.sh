@@ -22,7 +22,7 @@
 #                                     TORCH_LOGS (e.g. cudagraphs) to see why graphs re-record; its
 #                                     run folder and output in one tarball
 #
-# Settings (environment): E2E_STEPS (default 400), E2E_PROBE_WARMUP (default 100), E2E_NPROC (ranks per
+# Settings (environment): E2E_STEPS (default 500), E2E_PROBE_WARMUP (default 100), E2E_NPROC (ranks per
 # e2e run, default 1: one per GPU of a multi-GPU machine; over NVLink as the machine is, or with
 # NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 over sockets), E2E_OVERRIDES
 # (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"; with
@@ -47,7 +47,7 @@ if [ "$(left)" -lt 40 ]; then  # a stage chained after others: too little of the
   exit 3
 fi
 WORK=$(mktemp -d /tmp/loka-bench.XXXXXX)
-STEPS=${E2E_STEPS:-400}
+STEPS=${E2E_STEPS:-500}
 WARMUP=${E2E_PROBE_WARMUP:-100}
 
 # The project on the path as it is installed (kernels/ and recipes/ become subpackages).

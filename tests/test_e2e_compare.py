@@ -24,16 +24,17 @@ def _driver():
 def test_run_overrides_and_window(monkeypatch):
     e2e = _driver()
     monkeypatch.setattr(e2e, "job_has_compile_option", lambda: True)
-    args = e2e.parse_args(["--runs", "bf16,loka,torchao_rowwise", "--steps", "500", "--torchao-auto-filter", "--override", "data.batch_size=64"])
-    # warm-up 200, then the plan trials: one step-time guard window (5 + 50 steps) for each of 3 candidates, + 25
-    assert args.window_start == 200 + 3 * 55 + 25 and args.seeds == [0, 1]
+    args = e2e.parse_args(["--runs", "bf16,loka,torchao_rowwise", "--steps", "600", "--torchao-auto-filter", "--override", "data.batch_size=64"])
+    # warm-up 200, then the plan trials: one step-time guard window (5 + 50 steps) for each of 3 candidates and 2
+    # for the confirmation, + 25
+    assert args.window_start == 200 + 5 * 55 + 25 and args.seeds == [0, 1]
     loka = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka"], 1)
     assert loka[:2] == ["model=hstu_large", "device=cuda"]
     assert not any(item.startswith("loka.comms.") for item in loka)  # comms at the default: auto
     off = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka_comms_off"], 0)
     assert "loka.comms.forward=fp32" in off and "loka.comms.backward=fp32" in off
     for item in ("loka.probe.enabled=true", "loka.mods.preset=all", "loka.probe.warmup_steps=200",
-                 "seed=1", "train.steps=500", "train.timing_start=390", "train.autocast=bf16"):
+                 "seed=1", "train.steps=600", "train.timing_start=500", "train.autocast=bf16"):
         assert item in loka
     assert loka[-1] == "data.batch_size=64"  # the user's overrides win
     assert "baseline.auto_filter=true" in e2e.run_overrides(args, "dlrm_large", e2e.RUNS["torchao_rowwise"], 0)
@@ -49,12 +50,12 @@ def test_run_overrides_and_window(monkeypatch):
     with pytest.raises(SystemExit):  # its window must start after its plan, as a LoKA run's
         e2e.parse_args(["--runs", "bf16_probed_compile_cudagraphs", "--steps", "300", "--window-start", "100"])
     # the window starts after the probe's warm-up (the plan) and the plan trials' verdict
-    assert e2e.plan_trial_steps() == 3 * (5 + 50)
-    assert e2e.parse_args(["--runs", "loka", "--steps", "500"]).window_start == 390
+    assert e2e.plan_trial_steps() == 5 * (5 + 50)
+    assert e2e.parse_args(["--runs", "loka", "--steps", "600"]).window_start == 500
     # the same window without loka runs, so that separate invocations time the same steps
-    assert e2e.parse_args(["--runs", "bf16", "--steps", "500"]).window_start == 390
-    assert e2e.parse_args(["--runs", "bf16", "--steps", "300", "--probe-warmup", "50"]).window_start == 240
-    assert e2e.parse_args(["--runs", "bf16", "--steps", "200"]).window_start == 100  # 390 would not fit
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "600"]).window_start == 500
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "400", "--probe-warmup", "50"]).window_start == 350
+    assert e2e.parse_args(["--runs", "bf16", "--steps", "200"]).window_start == 100  # 500 would not fit
     with pytest.raises(SystemExit):  # a loka run's window would start inside its plan trials
         e2e.parse_args(["--runs", "loka", "--steps", "300"])
     with pytest.raises(SystemExit):
@@ -77,7 +78,7 @@ def test_one_seed_runs_come_last_with_the_first_seed():
     assert "train.deterministic=true" not in e2e.run_overrides(args, "dhen_large", e2e.RUNS["bf16"], 3)
     det = e2e.parse_args(["--runs", "bf16", "--deterministic"])
     assert "train.deterministic=true" in e2e.run_overrides(det, "hstu_large", e2e.RUNS["bf16"], 0)
-    assert e2e.parse_args(["--runs", "bf16,loka_dmpc", "--steps", "400", "--probe-warmup", "100"]).window_start == 290
+    assert e2e.parse_args(["--runs", "bf16,loka_dmpc", "--steps", "500", "--probe-warmup", "100"]).window_start == 400
     with pytest.raises(SystemExit):
         e2e.parse_args(["--runs", "bf16", "--one-seed-runs", "nosuchrun"])
 

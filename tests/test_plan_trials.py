@@ -125,9 +125,10 @@ def test_trials_round_trip_through_their_dict():
 
 
 # ------------------------------------------------------------------ through the dispatcher
-def _compiled_dispatcher(tmp_path, monkeypatch, window=3):
+def _compiled_dispatcher(tmp_path, monkeypatch, window=3, confirm=False):
     """A dispatcher of a 3-layer model planning from random evidence as a compiled job does, whose
-    layer check keeps only the first layer in FP8 (so the accuracy-gated plan differs from it)."""
+    layer check keeps only the first layer in FP8 (so the accuracy-gated plan differs from it);
+    ``confirm``: ``dispatch.confirm_trials`` (off: the trials alone)."""
     def layer_check_keeping_the_first(plan, layers, **kwargs):
         first = sorted(plan.layers)[0]
         checked = {name: (lp if name == first else dataclasses.replace(lp, roles={
@@ -139,7 +140,7 @@ def _compiled_dispatcher(tmp_path, monkeypatch, window=3):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 16))
     cfg = DispatchConfig(mode="policy", plan_at_step=1, min_speedup=0.0, samples=3, timing_reps=1, step_guard_window=window,
-                         layer_check_reps=1, candidates=("scaled_mm:tensorwise",), compiled=True)  # fmt: skip
+                         layer_check_reps=1, candidates=("scaled_mm:tensorwise",), compiled=True, confirm_trials=confirm)  # fmt: skip
     report = loka_torchrec.apply(model, cfg, run_dir=str(tmp_path))
     model(torch.randn(64, 32)).sum().backward()
     return model, report.dispatcher
@@ -199,7 +200,8 @@ def _ranked_dispatcher(tmp_path, monkeypatch, window=3):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     cfg = DispatchConfig(mode="policy", plan_at_step=1, min_speedup=0.0, samples=3, timing_reps=1, step_guard_window=window,
-                         layer_check_reps=1, candidates=("scaled_mm:tensorwise",), compiled=True, ranked_trials=1)  # fmt: skip
+                         layer_check_reps=1, candidates=("scaled_mm:tensorwise",), compiled=True, ranked_trials=1,
+                         confirm_trials=False)  # fmt: skip
     report = loka_torchrec.apply(model, cfg, run_dir=str(tmp_path))
     model(torch.randn(64, 32)).sum().backward()
     return model, report.dispatcher
@@ -269,6 +271,90 @@ def test_a_checkpoint_in_the_middle_of_the_trials_resumes_them(tmp_path, monkeyp
     assert d2.trials.index == 1 and d2.plan.digest() == d.plan.digest()
     _run_window(d2, 12, 8.5)
     assert d2.trials.labels[d2.trials.chosen] == ACCURACY_GATED
+
+
+@pytest.mark.parametrize("fresh_bf16_ms, again_ms, kept", [(10.0, 8.0, True), (8.0, 8.0, False)])
+def test_the_fastest_candidate_is_confirmed_next_to_bf16(tmp_path, monkeypatch, fresh_bf16_ms, again_ms, kept):
+    """The accuracy-gated plan wins its trial against bf16 measured before the plan (8.0 against
+    10.0 ms); then every GEMM runs bf16 for a window and the candidate for another. Where the fresh
+    bf16 window is as fast as the candidate (the step drifted, not FP8), bf16 is kept."""
+    model, d = _compiled_dispatcher(tmp_path, monkeypatch, confirm=True)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    trials = d.trials
+    gated = trials.candidates[1].fp8_gemm_count()
+    _run_window(d, 4, 9.5)
+    _run_window(d, 12, 8.0)
+    assert not trials.done and trials.pending == 1 and trials.confirming == "bf16"
+    assert d.in_force().fp8_gemm_count() == 0 and d.judging_step_times  # the fresh bf16 window
+    assert "confirming it next to bf16: running in bf16 for one window" in trials.describe()
+    assert all(v is None for v in _run_window(d, 20, fresh_bf16_ms))  # settle + window steps in bf16
+    assert trials.confirming == "fp8" and d.in_force().fp8_gemm_count() == gated  # the candidate again
+    model(torch.randn(8, 32)).sum().backward()  # its kernels run
+    verdicts = _run_window(d, 28, again_ms)
+    assert verdicts[-1] is not None and trials.done and trials.confirm_medians == (fresh_bf16_ms, again_ms)
+    events = [json.loads(line) for line in (tmp_path / "dispatch_events.jsonl").read_text().splitlines()]
+    (confirmation,) = [e for e in events if e["event"] == "plan_confirmation"]
+    assert confirmation["candidate"] == ACCURACY_GATED and confirmation["kept"] is kept
+    (selected,) = [e for e in events if e["event"] == "plan_selected"]
+    if kept:
+        assert trials.labels[trials.chosen] == ACCURACY_GATED and d.step_guard_reason is None
+        assert d.in_force().fp8_gemm_count() == gated
+        assert "confirmed against bf16 run next to it: 8.00 ms against 10.00 ms" in selected["summary"]
+    else:
+        assert trials.chosen == BF16_CHOSEN and d.in_force().fp8_gemm_count() == 0
+        assert "but not faster by more than 2% when run again next to bf16 (8.00 ms against 8.00 ms)" in d.step_guard_reason
+    assert all(v is None for v in _run_window(d, 36, 50.0))  # the choice stands
+
+
+def test_no_confirmation_where_no_candidate_beat_bf16(tmp_path, monkeypatch):
+    model, d = _compiled_dispatcher(tmp_path, monkeypatch, confirm=True)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    _run_window(d, 4, 10.5)
+    _run_window(d, 12, 10.1)
+    assert d.trials.done and d.trials.chosen == BF16_CHOSEN and d.trials.pending is None
+    assert d.in_force().fp8_gemm_count() == 0
+
+
+def test_a_checkpoint_in_a_confirmations_bf16_window_resumes_it(tmp_path, monkeypatch):
+    model, d = _compiled_dispatcher(tmp_path / "a", monkeypatch, confirm=True)
+    for step in range(1, 4):
+        d.observe_step_time(step, 10.0)
+    d.on_step_end(1)
+    _run_window(d, 4, 9.5)
+    _run_window(d, 12, 8.0)
+    for step in range(20, 24):  # 4 of the bf16 window's 5 + 3 steps
+        d.observe_step_time(step, 10.0)
+    state = json.loads(json.dumps(d.state_dict()))
+    model2, d2 = _compiled_dispatcher(tmp_path / "b", monkeypatch, confirm=True)
+    d2.load_state_dict(state)
+    assert d2.trials.confirming == "bf16" and d2.trials.confirm_steps == 4 and d2.in_force().fp8_gemm_count() == 0
+    for step in range(24, 28):
+        d2.observe_step_time(step, 10.0)
+    assert d2.trials.confirming == "fp8" and d2.in_force().fp8_gemm_count() == d2.trials.candidates[1].fp8_gemm_count()
+    _run_window(d2, 28, 8.0)
+    assert d2.trials.labels[d2.trials.chosen] == ACCURACY_GATED
+
+
+def test_confirmation_bookkeeping_refuses_steps_out_of_order():
+    trials = PlanTrials.of(candidate_plans((LAYER_CHECKED, _plan({"a"})), (ACCURACY_GATED, _plan({"a", "b"}))), confirm=True)
+    with pytest.raises(RuntimeError, match="no bf16 confirmation window under way"):
+        trials.bf16_step(3)
+    trials.record(10.0, 9.0, tolerance=0.02)
+    trials.record(10.0, 9.5, tolerance=0.02)
+    assert trials.pending == 0 and trials.chosen is None and trials.current().digest() == trials.candidates[0].digest()
+    with pytest.raises(RuntimeError, match="no candidate window to confirm"):
+        trials.record_confirmation(10.0, 9.0, tolerance=0.02)
+    assert [trials.bf16_step(2), trials.bf16_step(2)] == [False, True]
+    back = PlanTrials.from_dict(json.loads(json.dumps(trials.to_dict())))
+    assert (back.confirm, back.pending, back.confirming, back.confirm_steps) == (True, 0, "fp8", 2)
+    back.record_confirmation(10.0, 9.0, tolerance=0.02)
+    assert back.chosen == 0 and back.confirm_medians == (10.0, 9.0)
+    with pytest.raises(ValueError, match="confirming must be null, 'bf16' or 'fp8'"):
+        PlanTrials.from_dict(dict(trials.to_dict(), confirming="maybe"))
 
 
 def test_eager_jobs_keep_one_plan(tmp_path, monkeypatch):

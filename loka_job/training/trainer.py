@@ -1013,7 +1013,8 @@ class Trainer:
             "layer_checks": [e for e in self.loka.dispatcher.events if e.get("event") == "layer_check"],
             "step_guard_verdicts": [e for e in self.loka.dispatcher.events if e.get("event") == "step_guard"],
             # compiled: the candidate plans the step judged, and the one kept (loka_torchrec.dispatch.plan_trials)
-            "plan_trials": [e for e in self.loka.dispatcher.events if e.get("event") in ("plan_trial", "plan_selected")],
+            "plan_trials": [e for e in self.loka.dispatcher.events
+                            if e.get("event") in ("plan_trial", "plan_confirmation", "plan_selected")],
             # Where planning time went (host seconds, this rank): the Probe's parts and Dispatch's.
             "seconds": {
                 "probe": dict(self.probe.seconds) if self.probe is not None else None,

@@ -60,6 +60,10 @@ class DispatchConfig:
             back to bf16, ranked by how close their FP8 variant came to bf16 alone, added back in
             ``ranked_trials + 1`` equal parts (:mod:`loka_torchrec.dispatch.plan_trials`); 0 tries
             only the two ends. Each plan tried runs one step-time guard window.
+        confirm_trials: where plan trials kept a candidate, confirm it against bf16 run next to it
+            (one more guard window in bf16, then one with the candidate; kept only if faster there
+            too), so that the step's drift over the trials cannot choose FP8
+            (:mod:`loka_torchrec.dispatch.plan_trials`).
         min_grad_sqnr_db: the floor of :meth:`Dispatcher.check_gradients`: every site's weight
             gradient, with the plan's kernels, must reach this SQNR (dB) against the same step in
             high precision; the FP8 roles that push one below it go back to bf16
@@ -112,6 +116,7 @@ class DispatchConfig:
     step_guard_tolerance: float = 0.02
     layer_check_reps: int = 10
     ranked_trials: int = 1
+    confirm_trials: bool = True
     compiled: bool = False
     min_grad_sqnr_db: float = 17.0
     max_grad_noise_ratio: float = 0.1

@@ -180,7 +180,7 @@ class Dispatcher(EvidenceConsumer):
         labelled = [(label, self._annotated(p)) for label, p in self._ranks.broadcast_labelled(plans)]
         self._trials = None
         if len(labelled) > 1:  # several candidates, judged in order, the most conservative first
-            self._trials = PlanTrials.of(labelled)
+            self._trials = PlanTrials.of(labelled, confirm=self.config.confirm_trials)
         plan = self.plan = labelled[0][1]
         self._guard.restart()
         self._readmitted = set()
@@ -293,7 +293,8 @@ class Dispatcher(EvidenceConsumer):
             return
         if self._fallen_back.pop(layer, None) is None:
             return
-        if layer in self.plan.layers and self.step_guard_reason is None:
+        if layer in self.plan.layers and self.step_guard_reason is None and not self._confirming_bf16:
+            # (during a confirmation's bf16 window the layer gets its kernels with the others after it)
             self._layers[layer].set_kernels(self.plan.layers[layer].kernels)
             self._fp8_running = self._runs_fp8()
             if not self._layers[layer].kernels.all_high_precision and (self._guard.collecting or self._guard.decided):
@@ -324,6 +325,15 @@ class Dispatcher(EvidenceConsumer):
         at that step, else ``None``.
         """
         fp8_active = self.step_guard_reason is None and self._fp8_running
+        if self._confirming_bf16:  # the fresh bf16 window of a confirmation (plan_trials)
+            self._guard.observe(step, step_ms, fp8_active=False)
+            if self._trials.bf16_step(self._guard.settle + self._guard.window):
+                self._apply(self.plan)  # the candidate again, timed against the bf16 steps just run
+                self._guard.restart()
+                self._verify_identical()
+                self._save_plan()
+                self._announce(f"{self._trials.describe()} at step {step}")
+            return None
         verdict = self._guard.observe(step, step_ms, fp8_active=fp8_active)
         if verdict is None:
             return None
@@ -389,22 +399,33 @@ class Dispatcher(EvidenceConsumer):
     def _next_trial(self, step: int, verdict: GuardVerdict) -> None:
         """A candidate's window is complete: try the next one, or keep the fastest (or bf16)."""
         trials = self._trials
-        label = trials.labels[trials.index]
-        trials.record(verdict.bf16_ms, verdict.fp8_ms, tolerance=self._guard.tolerance)
-        self._record({"event": "plan_trial", "step": step, "candidate": label, "bf16_ms": verdict.bf16_ms,
-                      "fp8_ms": verdict.fp8_ms, "fp8_gemms": self.plan.fp8_gemm_count()})  # fmt: skip
+        if trials.confirming == "fp8":
+            trials.record_confirmation(verdict.bf16_ms, verdict.fp8_ms, tolerance=self._guard.tolerance)
+            self._record({"event": "plan_confirmation", "step": step, "candidate": trials.labels[trials.pending],
+                          "bf16_ms": verdict.bf16_ms, "fp8_ms": verdict.fp8_ms, "kept": trials.chosen != BF16_CHOSEN})  # fmt: skip
+        else:
+            label = trials.labels[trials.index]
+            trials.record(verdict.bf16_ms, verdict.fp8_ms, tolerance=self._guard.tolerance)
+            self._record({"event": "plan_trial", "step": step, "candidate": label, "bf16_ms": verdict.bf16_ms,
+                          "fp8_ms": verdict.fp8_ms, "fp8_gemms": self.plan.fp8_gemm_count()})  # fmt: skip
         if trials.chosen == BF16_CHOSEN:
             self.step_guard_reason = trials.describe()
         self.plan = trials.current()
         if not trials.done:
-            self._guard.restart()  # the next candidate's window, against the same bf16 steps
+            self._guard.restart()  # the next window (a candidate's, or the confirmation's bf16 one)
         self._apply(self.plan)
         self._verify_identical()
         self._save_plan()
         if trials.done:
             self._record({"event": "plan_selected", "step": step, "chosen": None if trials.chosen == BF16_CHOSEN
                           else trials.labels[trials.chosen], "summary": trials.describe()})  # fmt: skip
-        self._announce(f"{trials.describe()} at step {step}" + ("" if trials.done else f"; now trying the {trials.labels[trials.index]} plan"))
+        now = "" if trials.done or trials.pending is not None else f"; now trying the {trials.labels[trials.index]} plan"
+        self._announce(f"{trials.describe()} at step {step}{now}")
+
+    @property
+    def _confirming_bf16(self) -> bool:
+        """Whether every GEMM runs bf16 for a confirmation's fresh bf16 window (plan_trials)."""
+        return self._trials is not None and self._trials.confirming == "bf16"
 
     def _runs_fp8(self) -> bool:
         return any(not m.kernels.all_high_precision for m in self._layers.values())
@@ -637,7 +658,7 @@ class Dispatcher(EvidenceConsumer):
     def _apply(self, plan: DispatchPlan) -> None:
         for name, module in self._layers.items():
             kernels = plan.layers[name].kernels if name in plan.layers else LayerKernels()
-            if name in self._fallen_back or self.step_guard_reason is not None:
+            if name in self._fallen_back or self.step_guard_reason is not None or self._confirming_bf16:
                 kernels = LayerKernels()
             module.set_kernels(kernels)
         self._fp8_running = self._runs_fp8()

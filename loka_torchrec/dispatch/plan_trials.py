@@ -31,6 +31,14 @@ each FP8 layer as it runs; compiled, only the step shows a gain. The gradient ch
 broadest candidate and what it sends back to bf16 is sent back in every candidate
 (:meth:`PlanTrials.demote_like`).
 
+**Confirmation** (``dispatch.confirm_trials``, on by default). A training step drifts: its host
+work, the data and the GPU's clock change over hundreds of steps, so a candidate's window can beat
+a bf16 window taken a few hundred steps earlier by drift alone. So the fastest candidate, when it
+beat bf16, is confirmed against bf16 measured next to it: every GEMM runs bf16 for one more guard
+window (its settling steps first), then the candidate for one more, and it is kept only if it beats
+that fresh bf16 window by more than the tolerance too; else every GEMM returns to bf16. The two
+windows add ``2 * (settle + window)`` steps to the trials.
+
 :class:`PlanTrials` is bookkeeping only; the
 :class:`~loka_torchrec.dispatch.dispatcher.Dispatcher` applies the plans, makes ranks agree on
 each verdict and records the events.
@@ -65,6 +73,13 @@ class PlanTrials:
         chosen: the kept candidate's index, :data:`BF16_CHOSEN`, or ``None`` while trials go on.
         tolerance: the margin by which a candidate must beat bf16 (a share of bf16's median), as
             :meth:`record` last had it.
+        confirm: whether the fastest candidate is confirmed against a fresh bf16 window (see the
+            module docstring).
+        pending: the candidate under confirmation (``None`` when none is).
+        confirming: ``"bf16"`` while the fresh bf16 window runs, ``"fp8"`` while the candidate runs
+            again, ``None`` otherwise.
+        confirm_steps: steps run so far in the fresh bf16 window.
+        confirm_medians: the confirmation's ``(bf16_ms, fp8_ms)`` (``None`` until it is done).
 
     Example::
 
@@ -82,13 +97,18 @@ class PlanTrials:
     index: int = 0
     chosen: Optional[int] = None
     tolerance: float = 0.0
+    confirm: bool = False
+    pending: Optional[int] = None
+    confirming: Optional[str] = None
+    confirm_steps: int = 0
+    confirm_medians: Optional[Tuple[float, float]] = None
 
     @classmethod
-    def of(cls, labelled: Sequence[Tuple[str, DispatchPlan]]) -> "PlanTrials":
-        """Trials of ``(label, plan)`` pairs, in order."""
+    def of(cls, labelled: Sequence[Tuple[str, DispatchPlan]], *, confirm: bool = False) -> "PlanTrials":
+        """Trials of ``(label, plan)`` pairs, in order; ``confirm``: confirm the fastest (module docstring)."""
         if not labelled:
             raise ValueError("plan trials: need at least one candidate plan")
-        return cls([p for _, p in labelled], [label for label, _ in labelled], [None] * len(labelled))
+        return cls([p for _, p in labelled], [label for label, _ in labelled], [None] * len(labelled), confirm=confirm)
 
     @property
     def done(self) -> bool:
@@ -99,6 +119,8 @@ class PlanTrials:
         turns FP8 off)."""
         if self.chosen is not None:
             return self.candidates[max(self.chosen, 0)]
+        if self.pending is not None:
+            return self.candidates[self.pending]
         return self.candidates[self.index]
 
     def broadest(self) -> DispatchPlan:
@@ -108,13 +130,38 @@ class PlanTrials:
     def record(self, bf16_ms: float, fp8_ms: float, *, tolerance: float) -> None:
         """The guard's medians for the candidate on trial; after the last one, choose (the fastest
         candidate if it beats bf16 by more than ``tolerance``, a share of bf16's median)."""
-        if self.chosen is not None:
+        if self.chosen is not None or self.pending is not None:
             raise RuntimeError("plan trials: every candidate was tried already")
         self.tolerance = float(tolerance)
         self.medians[self.index] = (float(bf16_ms), float(fp8_ms))
         self.index += 1
         if self.index == len(self.candidates):
-            self.chosen = self._fastest(tolerance)
+            best = self._fastest(tolerance)
+            if self.confirm and best != BF16_CHOSEN:
+                self.pending, self.confirming, self.confirm_steps = best, "bf16", 0
+            else:
+                self.chosen = best
+
+    def bf16_step(self, needed: int) -> bool:
+        """One step of the fresh bf16 window ran; ``True`` when it has run ``needed`` steps (the
+        caller then runs the candidate again: :attr:`confirming` becomes ``"fp8"``)."""
+        if self.confirming != "bf16":
+            raise RuntimeError(f"plan trials: no bf16 confirmation window under way (confirming={self.confirming!r})")
+        self.confirm_steps += 1
+        if self.confirm_steps < needed:
+            return False
+        self.confirming = "fp8"
+        return True
+
+    def record_confirmation(self, bf16_ms: float, fp8_ms: float, *, tolerance: float) -> None:
+        """The candidate's second window against the fresh bf16 window: keep it if it beats that by
+        more than ``tolerance`` too, else choose bf16."""
+        if self.confirming != "fp8" or self.pending is None:
+            raise RuntimeError(f"plan trials: no candidate window to confirm (confirming={self.confirming!r})")
+        self.tolerance = float(tolerance)
+        self.confirm_medians = (float(bf16_ms), float(fp8_ms))
+        self.chosen = self.pending if fp8_ms < bf16_ms * (1.0 - tolerance) else BF16_CHOSEN
+        self.confirming = None
 
     def _fastest(self, tolerance: float) -> int:
         tried = [(m[1], i) for i, m in enumerate(self.medians) if m is not None]
@@ -143,10 +190,24 @@ class PlanTrials:
         if not tried:
             return "plan trials: nothing tried yet"
         bf16_ms = tried[0][1][0]
+        confirmed = ""
+        if self.confirm_medians is not None and self.pending is not None:
+            cb, cf = self.confirm_medians
+            confirmed = f"; confirmed against bf16 run next to it: {cf:.2f} ms against {cb:.2f} ms"
+        if self.chosen == BF16_CHOSEN and confirmed:
+            label, m = self.labels[self.pending], self.medians[self.pending]
+            return (f"plan trials returned to bf16: the {label} plan ran {m[1]:.2f} ms against {m[0]:.2f} ms in bf16, "
+                    f"but not faster by more than {100 * self.tolerance:g}% when run again next to bf16 "
+                    f"({cf:.2f} ms against {cb:.2f} ms)")
         if self.chosen == BF16_CHOSEN:
             each = ", ".join(f"{label} {m[1]:.2f} ms" for label, m in tried)
             return (f"plan trials returned to bf16: no candidate plan beat {bf16_ms:.2f} ms in bf16 by more than "
                     f"{100 * self.tolerance:g}% ({each})")
+        if self.chosen is None and self.pending is not None:
+            label, m = self.labels[self.pending], self.medians[self.pending]
+            step = "in bf16 for one window" if self.confirming == "bf16" else "it again"
+            return (f"plan trials: the {label} plan was fastest ({m[1]:.2f} ms against {m[0]:.2f} ms in bf16); "
+                    f"confirming it next to bf16: running {step}")
         if self.chosen is None:
             label, m = tried[-1]
             return f"plan trials: the {label} plan ran a median step of {m[1]:.2f} ms against {bf16_ms:.2f} ms in bf16"
@@ -154,7 +215,7 @@ class PlanTrials:
         kept = self.medians[self.chosen]
         return (
             f"plan trials kept the {self.labels[self.chosen]} plan: median step {kept[1]:.2f} ms against "
-            f"{kept[0]:.2f} ms in bf16" + (f" ({others})" if others else "")
+            f"{kept[0]:.2f} ms in bf16" + (f" ({others})" if others else "") + confirmed
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -166,10 +227,17 @@ class PlanTrials:
             "index": self.index,
             "chosen": self.chosen,
             "tolerance": self.tolerance,
+            "confirm": self.confirm,
+            "pending": self.pending,
+            "confirming": self.confirming,
+            "confirm_steps": self.confirm_steps,
+            "confirm_medians": None if self.confirm_medians is None else list(self.confirm_medians),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PlanTrials":
+        if d.get("confirming") not in (None, "bf16", "fp8"):
+            raise ValueError(f"plan trials: confirming must be null, 'bf16' or 'fp8'; got {d.get('confirming')!r}")
         return cls(
             [DispatchPlan.from_dict(p) for p in d["candidates"]],
             list(d["labels"]),
@@ -177,6 +245,12 @@ class PlanTrials:
             int(d["index"]),
             None if d.get("chosen") is None else int(d["chosen"]),
             float(d.get("tolerance", 0.0)),  # trials saved before the tolerance was kept: 0
+            # trials saved before confirmations existed: none under way
+            bool(d.get("confirm", False)),
+            None if d.get("pending") is None else int(d["pending"]),
+            d.get("confirming"),
+            int(d.get("confirm_steps", 0)),
+            None if d.get("confirm_medians") is None else (float(d["confirm_medians"][0]), float(d["confirm_medians"][1])),
         )
 
 
