@@ -39,12 +39,13 @@ import logging
 import os
 import sys
 import time
-from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loka_torchrec.activation_offload import offload_saved_activations
 from loka_torchrec.api import ApplyReport, apply
 from loka_torchrec.atomic_files import write_json_atomic
 from loka_torchrec.comms.auto import decide as decide_comms_precision
@@ -294,7 +295,7 @@ class Loka:
         stack = contextlib.ExitStack()
         stack.enter_context(eager())
         if self.offload_probe_activations:
-            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
+            stack.enter_context(offload_saved_activations())
         return stack
 
     def _end_step(self, step: int, *, completed: bool, timed: bool, ran_eagerly: bool) -> None:
@@ -330,9 +331,12 @@ class Loka:
         if not inputs.recorded:
             logger.warning("dispatch.grad_check: no dense-module inputs were recorded before the plan at step %d; not checked", step)
             return
+        loss_fn = functools.partial(inputs.loss, halves=True)
+        if self.offload_probe_activations:  # the check's eager passes save what a probe step does
+            loss_fn = functools.partial(_offloaded, loss_fn)
         # The Probe's hooks are armed for the next step already: the check's own passes are not its data.
         with self.probe.paused() if self.probe is not None else contextlib.nullcontext():
-            self.dispatcher.check_gradients(functools.partial(inputs.loss, halves=True), step=step)
+            self.dispatcher.check_gradients(loss_fn, step=step)
         inputs.clear()
 
     def step_end(self, step: int, *, step_ms: Optional[float] = None, ran_eagerly: Optional[bool] = None) -> None:
@@ -555,3 +559,9 @@ def _disabled(config: LokaConfig) -> Loka:
     """The Loka of ``LokaConfig(enabled=False)``: no layer converted, no hook, nothing written."""
     nothing = Dispatcher({}, DispatchConfig(mode="all-bf16"))
     return Loka(config, ApplyReport([], [], None, nothing), None, [])
+
+
+def _offloaded(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``loss_fn()`` with autograd's saved activations in host memory (``probe.offload_activations``)."""
+    with offload_saved_activations():
+        return loss_fn()

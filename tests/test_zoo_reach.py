@@ -7,6 +7,8 @@ longer than one step, so the first steps run compiled and only the probe steps r
 """
 
 import contextlib
+import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -86,24 +88,38 @@ def test_a_compiled_first_step_does_not_decide_what_never_ran(tmp_path):
 
 
 @pytest.mark.parametrize("offload", [True, False])
-def test_probe_steps_offload_saved_activations_only_when_asked(tmp_path, monkeypatch, offload):
+def test_probe_steps_and_the_gradient_check_offload_saved_activations_only_when_asked(tmp_path, monkeypatch, offload):
     """``probe.offload_activations`` on a GPU: the steps whose compiled modules run eagerly for the
-    Probe keep autograd's saved tensors in host memory (``save_on_cpu``); compiled steps do not. On a
-    CPU the option does nothing; the GPU's decision and ``save_on_cpu`` (pinned memory needs CUDA) are
-    stood in for here, the saved-tensor hooks are real."""
-    entered, packed = [], []
+    Probe, and the gradient check's passes after the plan, keep autograd's saved tensors in host
+    memory (``offload_saved_activations``); compiled steps do not. On a CPU the option does nothing;
+    the GPU's decision and the offload (pinned memory needs CUDA) are stood in for here, the
+    saved-tensor hooks are real."""
+    entered, packed, in_check = [], [], [False]
 
     @contextlib.contextmanager
-    def save_on_cpu(pin_memory):
-        entered.append((current[0], pin_memory))
+    def offload_saved_activations():
+        entered.append(("check" if in_check[0] else "step", current[0]))
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(current[0]) or t, lambda t: t):
             yield
 
-    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", save_on_cpu)
+    prepare_module = importlib.import_module("loka_torchrec.prepare")  # (the package's `prepare` is the function)
+    monkeypatch.setattr(prepare_module, "offload_saved_activations", offload_saved_activations)
     model = outside_models.UserWukong()
-    loka = loka_torchrec.prepare(model, _config(offload_activations=offload), run_dir=str(tmp_path), compile="default", device="cpu")
+    config = _config(offload_activations=offload)
+    config = dataclasses.replace(config, dispatch=dataclasses.replace(config.dispatch, grad_check=True))
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), compile="default", device="cpu")
     assert loka.offload_probe_activations is False  # a CPU: nothing to offload to
     loka.offload_probe_activations = offload  # as prepare decides on a CUDA device
+    check_gradients = loka.dispatcher.check_gradients
+
+    def checking(*args, **kwargs):
+        in_check[0] = True
+        try:
+            return check_gradients(*args, **kwargs)
+        finally:
+            in_check[0] = False
+
+    loka.dispatcher.check_gradients = checking
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     current, eager_steps = [0], []
     for step in range(1, 13):
@@ -118,7 +134,10 @@ def test_probe_steps_offload_saved_activations_only_when_asked(tmp_path, monkeyp
     loka.close()
     assert eager_steps and len(eager_steps) < 12  # some probe steps, the rest compiled
     if offload:
-        assert entered == [(s, True) for s in eager_steps]
-        assert set(packed) == set(eager_steps)  # every probe step saved tensors through the hooks
+        assert [s for kind, s in entered if kind == "step"] == eager_steps
+        plan_step = loka.dispatcher.plan.step
+        checks = [s for kind, s in entered if kind == "check"]
+        assert checks and set(checks) == {plan_step}  # each of the check's passes, at the plan's step
+        assert set(packed) == set(eager_steps) | set(checks)  # every probe step and the check saved through the hooks
     else:
         assert entered == [] and packed == []

@@ -98,11 +98,13 @@ class ProbeConfig:
             error is at most this multiple of its plan-time error; otherwise Dispatch re-plans
             with the new evidence before the layer is readmitted.
         offload_activations: in a probe step of a compiled model on a GPU (its compiled modules
-            run eagerly there), keep the activations autograd saves for the backward in pinned
-            host memory (``torch.autograd.graph.save_on_cpu``) instead of on the GPU. An eager step
-            saves more than the compiled one and can set the run's peak GPU memory (the run
-            summary's ``peak_memory_rises`` says which step did); offloaded, the probe steps
-            copy those activations to the host and back. Off by default.
+            run eagerly there) and in the gradient check's passes after a plan, keep the
+            activations autograd saves for the backward in pinned host memory instead of on the
+            GPU (:mod:`loka_torchrec.activation_offload`: asynchronous copies of the tensors of
+            1 MiB or more). An eager step saves more than the compiled one and can set the run's
+            peak GPU memory (the run summary's ``peak_memory_rises`` and its planning rises say
+            which work did); offloaded, those steps copy the activations to the host and back.
+            Off by default.
 
     Example::
 
