@@ -9,7 +9,8 @@ It differs from ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` in two way
 cost. The copies are asynchronous on the current stream (``non_blocking=True``): the GPU orders
 them with the kernels around them and the host does not wait for each one, where a blocking copy
 stops the host once per saved tensor. And only tensors of at least ``min_bytes`` move: the many
-small ones (scales, norms' statistics, masks) cost a copy each and free almost nothing.
+small ones (scales, norms' statistics, masks) cost a copy each and free almost nothing. Parameters
+stay too: they are on the device for the whole step whatever autograd saves.
 
 Why an asynchronous copy is safe: the device-to-host copy reads the activation on the stream that
 produced it, so any later kernel that reuses the activation's memory is ordered after the copy;
@@ -34,8 +35,11 @@ MIN_OFFLOAD_BYTES = 1 << 20
 
 def _pack(min_bytes: int):
     def pack(tensor: torch.Tensor) -> Any:
-        if tensor.device.type != "cuda" or tensor.is_sparse or tensor.numel() * tensor.element_size() < min_bytes:
-            return tensor
+        if (
+            tensor.device.type != "cuda" or tensor.is_sparse or isinstance(tensor, torch.nn.Parameter)
+            or tensor.numel() * tensor.element_size() < min_bytes
+        ):  # fmt: skip
+            return tensor  # a Parameter stays on the device anyway: a host copy would only add one back
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         return (tensor.device, host)

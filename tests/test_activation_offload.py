@@ -32,6 +32,8 @@ def test_large_saved_cuda_tensors_go_to_pinned_host_memory_and_come_back_exactly
         pytest.skip("CUDA only")
     small = torch.ones(8, device="cuda")
     assert _pack(MIN_OFFLOAD_BYTES)(small) is small  # under the threshold: stays on the device
+    weight = torch.nn.Parameter(torch.randn(1024, 1024, device="cuda"))
+    assert _pack(MIN_OFFLOAD_BYTES)(weight) is weight  # a Parameter stays on the device anyway
     big = torch.randn(1024, 1024, device="cuda")  # 4 MiB
     device, host = _pack(MIN_OFFLOAD_BYTES)(big)
     assert host.is_pinned() and host.device.type == "cpu" and device == big.device
