@@ -17,7 +17,13 @@ one process:
   (``--plan``, the ``dispatch_plan.json`` of a training run, pinned; or ``--mode``, a static mode)
   turned into the serving form by :func:`loka_torchrec.inference_modules`, eager / compiled; with
   ``--choose-at-batch``, one serving form per batch size, FP8 only where a layer's forward is faster
-  at that batch (``serving_rows``).
+  at that batch (``serving_rows``);
+* ``loka_export_static``, ``loka_export_static_compile_cudagraphs``: the same with static input
+  scales (``input_scaling="static"``: each tensorwise FP8 layer scales its input by a fixed amax,
+  so a compiled model reads the input once, not once for its amax and again for its cast). A
+  trained run takes these amaxes from the Probe; this model is not trained, so they come from
+  ``--calibration-batches`` batches drawn apart from the timed ones, the largest input amax each
+  layer saw. A timed batch beyond them saturates, which its SQNR shows.
 
 Each run's logits are compared with eager bf16's on the same batch (SQNR, dB): what FP8 changes in
 the output. Writes ``<out>.json`` and ``<out>.md`` (device, versions, command, one table).
@@ -56,8 +62,10 @@ from loka_torchrec.mods import ModsConfig, apply_mods
 
 RUNS = (
     "bf16", "bf16_compile", "bf16_compile_cudagraphs", "torchao_rowwise_compile", "torchao_tensorwise_compile",
-    "loka_export", "loka_export_compile", "loka_export_compile_cudagraphs",
+    "loka_export", "loka_export_compile", "loka_export_compile_cudagraphs", "loka_export_static",
+    "loka_export_static_compile_cudagraphs",
 )  # fmt: skip
+CALIBRATION_SEED = 1_000_003  # the calibration batches' seeds start here; the timed batches' are their sizes
 # model -> (its config class, its over arch, the Mods preset of the model served)
 MODELS = {"dhen": (DhenConfig, DhenOverArch, "all"), "wukong": (WukongConfig, WukongOverArch, "none"),
           "dcnv2": (DcnV2Config, DcnV2OverArch, "none")}  # fmt: skip
@@ -90,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the loka_export runs keep a layer in FP8 only where its forward is faster at each batch size "
                         "(inference_modules(serving_rows=batch): one serving model per batch size)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calibration-batches", type=int, default=8,
+                   help="loka_export_static*: batches whose input amaxes set the static scales (default 8)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", required=True, help="output path without extension")
@@ -104,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         p.error("--batch-sizes: at least one size, each >= 1")
+    if args.calibration_batches < 1:
+        p.error(f"--calibration-batches: expected >= 1, got {args.calibration_batches}")
     if any(r.startswith("loka_") for r in args.runs) and not (args.plan or args.mode):
         p.error("--runs loka_*: need --plan (a training run's dispatch_plan.json) or --mode")
     return args
@@ -149,7 +161,11 @@ def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows:
     if run.startswith("loka_"):
         dispatch = DispatchConfig(mode="pinned", plan_path=args.plan) if args.plan else DispatchConfig(mode=args.mode)
         loka_torchrec.apply(model, dispatch)
-        report = loka_torchrec.inference_modules(model, serving_rows=serving_rows)
+        static = run.startswith("loka_export_static")
+        amaxes = calibrated_input_amaxes(model, args, device, dtype, rows=serving_rows or 512) if static else None
+        report = loka_torchrec.inference_modules(
+            model, serving_rows=serving_rows, input_scaling="static" if static else "dynamic", input_amaxes=amaxes,
+        )  # fmt: skip
         print(f"[inference] {run}: {report.summary()}", flush=True)
         model.loka_report = report.summary()
         model.loka_timings = report.timings  # per layer at serving_rows: FP8 and high-precision forward ms
@@ -163,8 +179,27 @@ def make(run: str, args, device: torch.device, dtype: torch.dtype, serving_rows:
     return model
 
 
-def inputs(model_name: str, preset: str, batch: int, device: torch.device, dtype: torch.dtype):
-    gen = torch.Generator(device=device).manual_seed(batch)
+def calibrated_input_amaxes(model: nn.Module, args, device: torch.device, dtype: torch.dtype, rows: int) -> Dict[str, List[float]]:
+    """``{LoKA layer name: its input amax in each calibration batch}``: ``args.calibration_batches``
+    batches of ``rows`` rows, seeded apart from the timed batches, through the converted model."""
+    amaxes: Dict[str, List[float]] = {}
+    hooks = [
+        module.register_forward_pre_hook(lambda m, a, name=name: amaxes.setdefault(name, []).append(float(a[0].detach().abs().amax())))
+        for name, module in model.named_modules() if isinstance(module, loka_torchrec.LokaLinear)
+    ]  # fmt: skip
+    try:
+        with torch.inference_mode():
+            for i in range(args.calibration_batches):
+                model(*inputs(args.model, args.preset, rows, device, dtype, seed=CALIBRATION_SEED + i))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return amaxes
+
+
+def inputs(model_name: str, preset: str, batch: int, device: torch.device, dtype: torch.dtype, seed: Optional[int] = None):
+    """A batch of ``batch`` rows: dense features and pooled embeddings (seeded by ``seed``, default the batch size)."""
+    gen = torch.Generator(device=device).manual_seed(batch if seed is None else seed)
     dim = getattr(MODELS[model_name][0], preset)().embedding_dim
     values = torch.randn(batch, pooled_tables(model_name, preset) * dim, generator=gen, device=device, dtype=dtype)
     return torch.randn(batch, NUM_DENSE, generator=gen, device=device, dtype=dtype), values

@@ -365,3 +365,34 @@ def test_static_input_scales_where_training_saw_a_stable_input_amax():
         assert (probed.static_inputs, probed.dynamic_inputs) == (static, dynamic)  # fmt: skip
     with pytest.raises(ValueError, match="input_amax: a finite amax > 0, for tensorwise layers only"):
         Fp8InferenceLinear(torch.randn(4, 4), None, "rowwise", input_amax=1.0)
+
+
+def test_the_inference_benchmark_serves_with_static_input_scales_from_calibration_batches(tmp_path):
+    """``loka_export_static``: every tensorwise FP8 layer scales its input by the largest amax it saw
+    in the calibration batches (seeded apart from the timed ones); the output stays within FP8's
+    error of bf16, and the report says how many layers are static."""
+    import importlib.util
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("inference_throughput", os.path.join(root, "benchmarks", "inference_throughput.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--preset", "small", "--mode", "all:scaled_mm:tensorwise", "--device", "cpu", "--out", "x",
+                             "--calibration-batches", "3"])  # fmt: skip
+    model = bench.build("dhen", "small", torch.device("cpu"), torch.float32)
+    loka_torchrec.apply(model, loka_torchrec.DispatchConfig(mode="all:scaled_mm:tensorwise"))
+    amaxes = bench.calibrated_input_amaxes(model, args, torch.device("cpu"), torch.float32, rows=16)
+    layers = [n for n, m in model.named_modules() if isinstance(m, loka_torchrec.LokaLinear)]
+    assert sorted(amaxes) == sorted(layers) and all(len(a) == 3 and min(a) > 0 for a in amaxes.values())
+    assert all(not m._forward_pre_hooks for m in model.modules())  # the calibration's hooks are gone
+    out = tmp_path / "static"
+    assert bench.main(["--preset", "small", "--batch-sizes", "16", "--runs", "bf16,loka_export,loka_export_static",
+                       "--mode", "all:scaled_mm:tensorwise", "--device", "cpu", "--reps", "2", "--warmup", "1",
+                       "--calibration-batches", "4", "--out", str(out)]) == 0  # fmt: skip
+    rows = {r["run"]: r for r in json.loads((tmp_path / "static.json").read_text())["rows"]}
+    static, dynamic = rows["loka_export_static"], rows["loka_export"]
+    assert re.fullmatch(r"19/19 linear layers in FP8 for inference, 0 in high precision; \d+ with static input scales", static["fp8"])
+    assert 15.0 <= static["sqnr_vs_bf16_db"] < 60.0 and static["sqnr_vs_bf16_db"] > dynamic["sqnr_vs_bf16_db"] - 6.0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--calibration-batches", "0", "--out", "x"])
