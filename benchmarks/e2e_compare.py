@@ -1541,16 +1541,21 @@ def reread_report(json_path: str, runs_dir: Optional[str]) -> int:
     base = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
     meta = {k: v for k, v in result.items() if k not in ("table", "runs", "plot", "plot_skipped")}
     meta["reread"] = {"runs_dir": runs_dir, "date": datetime.date.today().isoformat()}
-    rows = aggregate(records, settings["recipes"], settings["runs"])
-    out = dict(meta, table=rows, runs=records)
-    problem = plot(base + ".png", rows, settings["recipes"])
-    out["plot"] = None if problem else base + ".png"
-    if problem:
-        out["plot_skipped"] = problem
-    write_text_atomic(base + ".json", json.dumps(out, indent=1, default=str))
-    write_text_atomic(base + ".md", to_markdown(meta, rows, records))
+    write_report(base, meta, records, settings["recipes"], settings["runs"])
     print(f"[e2e] rewrote {base}.json, {base}.md", flush=True)
     return 0
+
+
+def write_report(base: str, meta: Dict[str, Any], records: List[Dict[str, Any]], recipes: Sequence[str], runs: Sequence[str]) -> None:
+    """``<base>.png``, ``<base>.json`` and ``<base>.md`` of ``records`` (each file replaced whole)."""
+    rows = aggregate(records, list(recipes), list(runs))
+    result = dict(meta, table=rows, runs=records)
+    problem = plot(base + ".png", rows, list(recipes)) if records else "no runs"
+    result["plot"] = None if problem else base + ".png"
+    if problem:
+        result["plot_skipped"] = problem
+    write_text_atomic(base + ".json", json.dumps(result, indent=1, default=str))
+    write_text_atomic(base + ".md", to_markdown(meta, rows, records))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -1586,14 +1591,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def write_reports() -> None:
         meta["seconds"] = time.perf_counter() - start
-        rows = aggregate(records, args.recipes, args.runs)
-        result = dict(meta, table=rows, runs=records)
-        problem = plot(base + ".png", rows, args.recipes) if records else "no runs"
-        result["plot"] = None if problem else base + ".png"
-        if problem:
-            result["plot_skipped"] = problem
-        write_text_atomic(base + ".json", json.dumps(result, indent=1, default=str))
-        write_text_atomic(base + ".md", to_markdown(meta, rows, records))
+        write_report(base, meta, records, args.recipes, args.runs)
 
     for seed, recipe, name in run_order(args):
         spec = run_spec(name)
