@@ -210,6 +210,26 @@ def test_a_candidate_slower_than_bf16_in_plan_trials_turns_nothing_off(loka_run,
     assert f"step 60: {summary}" in " ".join(why.split())  # the trials' choice among the layer's events
 
 
+def test_the_window_that_confirms_a_trials_winner_is_the_trials_not_a_guard_verdict(loka_run, tmp_path, capsys, monkeypatch):
+    """The confirmation's window (bf16 again, then the winner) is logged as a guard verdict and a
+    ``plan_confirmation``: it belongs to the trials, and their ``plan_selected`` says what stands."""
+    run = _copy(loka_run, tmp_path)
+    plan = json.loads((run / "dispatch_plan.json").read_text())
+    plan.pop("in_force", None)
+    (run / "dispatch_plan.json").write_text(json.dumps(plan))
+    summary = ("plan trials returned to bf16: the layer-ranked 1/2 plan ran 9.00 ms against 10.00 ms in bf16, but not "
+               "faster by more than 2% when run again next to bf16 (9.00 ms against 9.00 ms)")
+    _add_events(run, *_trial(40, "layer-checked", 10.5, False), *_trial(50, "layer-ranked 1/2", 9.0, True),
+                {"event": "step_guard", "step": 110, "bf16_ms": 9.0, "fp8_ms": 9.0, "keep_fp8": True},
+                {"event": "plan_confirmation", "step": 110, "candidate": "layer-ranked 1/2", "bf16_ms": 9.0, "fp8_ms": 9.0,
+                 "kept": False},
+                {"event": "plan_selected", "step": 110, "chosen": None, "summary": summary})  # fmt: skip
+    out = _view(run, capsys, monkeypatch)
+    assert f"plan trials (step 110): {summary}" in " ".join(out.split()) and "FP8 GEMMs: 6/6 planned, 0/6 in force" in out
+    assert main([str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"]["step_guard"]["verdicts"] == []  # the confirmation's window too
+
+
 def test_an_in_force_count_recorded_in_the_plan_file_is_shown(loka_run, tmp_path, capsys, monkeypatch):
     run = _copy(loka_run, tmp_path)
     plan = json.loads((run / "dispatch_plan.json").read_text())

@@ -183,10 +183,11 @@ def run_status(plan: Dict[str, Any], events: Optional[List[Dict[str, Any]]], pro
     """Read the run's state from its plan (``{}`` when absent), its dispatch events (``None`` when
     there is no events file) and the Probe's per-layer entries (``RunView.layers``)."""
     held, trips = _valve(events, probe_layers)
-    # A guard window that judged a candidate of plan trials is logged twice (step_guard, plan_trial):
-    # it belongs to the trials, whose plan_selected event says what they turned off.
+    # A guard window that judged a candidate of plan trials, or confirmed one, is logged twice
+    # (step_guard, plan_trial or plan_confirmation): it belongs to the trials, whose plan_selected
+    # event says what they turned off.
     trials = [e for e in events or [] if e.get("event") == "plan_trial"]
-    trial_steps = {e.get("step") for e in trials}
+    trial_steps = {e.get("step") for e in events or [] if e.get("event") in ("plan_trial", "plan_confirmation")}
     never_ran = plan.get("never_ran")
     coverage = plan.get("coverage")
     return RunStatus(
