@@ -452,6 +452,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "folder the JSON names): a run stopped after its last training step counts, with the reason; nothing is run",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.reread is not None and not os.path.isfile(args.reread):
+        p.error(f"--reread: expected an earlier call's .json report, got {args.reread!r} (no such file)")
     args.recipes = _names(args.recipes)
     args.runs = _names(args.runs)
     args.one_seed_runs = _names(args.one_seed_runs)
@@ -1530,6 +1532,9 @@ def reread_report(json_path: str, runs_dir: Optional[str]) -> int:
     write that call's report again in place. Runs that completed keep their records."""
     with open(json_path) as f:
         result = json.load(f)
+    missing = [k for k in ("settings", "runs", "runs_dir", "date", "device", "versions", "command") if k not in result]
+    if missing:
+        raise SystemExit(f"--reread: {json_path} is not an e2e_compare report (it lacks {', '.join(missing)})")
     settings = result["settings"]
     runs_dir = os.path.abspath(runs_dir or result["runs_dir"])
     records = result["runs"]

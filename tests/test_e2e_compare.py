@@ -648,6 +648,11 @@ def test_reread_rebuilds_an_earlier_report_from_the_runs_folders(tmp_path):
     row = next(r for r in again["table"] if r["run"] == "loka_compile_default")
     assert row["median_step_ms"] == 86.0
     assert "`--reread`" in (tmp_path / "call.md").read_text()
+    with pytest.raises(SystemExit, match="lacks settings, runs"):
+        (tmp_path / "other.json").write_text(json.dumps({"date": "2026-11-28"}))
+        e2e.main(["--reread", str(tmp_path / "other.json")])
+    with pytest.raises(SystemExit):  # argparse: no such file
+        e2e.parse_args(["--reread", str(tmp_path / "nothing.json")])
 
 
 def test_comms_section_shows_the_collectives_of_multi_rank_runs_only():
