@@ -9,6 +9,7 @@ These tests use the floor alone, except those of the noise rule (``max_grad_nois
 keeps FP8 whose error is a small, unshared part of the batch's own gradient noise.
 """
 
+import pytest
 import torch
 
 import loka_torchrec
@@ -179,3 +180,46 @@ def test_dense_inputs_halves_average_to_the_loss_and_fall_back_to_it_for_single_
     net(torch.randn(1, 4))
     one_row.stop()
     assert one_row.loss(halves=True).dim() == 0
+
+
+def test_a_reference_kept_on_the_host_gives_the_same_check():
+    """On a GPU the reference gradients wait on the host and come back one site at a time; the check's
+    records and demotions are those of a reference kept on the device (here both on the CPU: the
+    same moves, to the same device)."""
+    from loka_torchrec.dispatch import grad_check
+
+    x = _batch()
+    results = []
+    for host in (None, torch.device("cpu")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(grad_check, "_host_for", lambda layers, host=host: host)
+            model = raw_hstu()
+            report = loka_torchrec.apply(model, DispatchConfig(mode="all:emulated:rowwise"))
+            plan = report.dispatcher.check_gradients(lambda: model(x).square().mean(), step=1)
+            events = [e for e in report.dispatcher.events if e["event"] == "grad_check"]
+            results.append((plan.digest(), [{k: v for k, v in e.items() if k != "check_seconds"} for e in events]))
+    assert results[0] == results[1] and len(results[0][1]) >= 2  # the plan run and at least one demotion
+    assert grad_check._host_for({"a": torch.nn.Linear(2, 2)}) is None  # on the CPU: nothing to move
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_reference_waits_on_the_host_and_the_check_holds_less():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA only")
+    from loka_torchrec.dispatch import grad_check
+
+    torch.manual_seed(0)
+    peaks = {}
+    for host in (None, torch.device("cpu")):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024)).cuda()
+        report = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:rowwise"))
+        x = torch.randn(64, 1024, device="cuda")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(grad_check, "_host_for", lambda layers, host=host: host)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            report.dispatcher.check_gradients(lambda: model(x).square().mean(), step=1)
+            peaks[host is None] = torch.cuda.max_memory_allocated() - base
+    assert grad_check._host_for(report.dispatcher.managed_layers()) == torch.device("cpu")
+    assert peaks[False] < peaks[True]  # the reference (16 MiB of fp32 weight gradients) waited on the host

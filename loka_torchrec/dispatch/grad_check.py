@@ -38,6 +38,11 @@ part of the batch's noise: the second rule keeps such GEMMs in FP8 and the first
 A demoted role's reason in the plan names the gradient it damaged and its SQNR. ``loss_fn`` must
 be deterministic (fixed batch, no dropout): every run must see the same model and data.
 
+Memory: on a GPU the reference gradients wait in host memory, and each site's comes back to the
+device only while that site is compared. A check then holds one run's gradients on the device
+(two per site with the halves) on top of the training step's memory, not two runs' worth; the
+gradients of a model's dense Parameters can be several GiB a set.
+
 The check runs the model eagerly. For a model that trains compiled (``compiled=True``) the sites
 scale their forward operands as their compiled calls will
 (:func:`~loka_torchrec.dispatch.gemm_site.compiled_scaling`: delayed scaling by each site's amax
@@ -106,6 +111,20 @@ def _gradients(
     return out
 
 
+def _moved(gradient: Optional[SiteGradient], device: torch.device) -> Optional[SiteGradient]:
+    """``gradient`` (a site's, or ``None``) with its tensors on ``device``."""
+    if gradient is None:
+        return None
+    full, halves = gradient
+    return (None if full is None else full.to(device), None if halves is None else (halves[0].to(device), halves[1].to(device)))
+
+
+def _host_for(layers: Dict[str, torch.nn.Module]) -> Optional[torch.device]:
+    """Where the reference gradients wait (module docstring): the host when the sites are on a GPU."""
+    on_cuda = any(site_parameter(m).device.type == "cuda" for m in layers.values())
+    return torch.device("cpu") if on_cuda else None
+
+
 def _noise_rule(got: SiteGradient, ref: SiteGradient, error: float, signal: float) -> Optional[Dict[str, float]]:
     """The numbers of the noise rule (module docstring) for one site whose whole gradient has
     ``error`` and ``signal`` power against the reference; ``None`` without halves."""
@@ -124,12 +143,14 @@ def _noise_rule(got: SiteGradient, ref: SiteGradient, error: float, signal: floa
 
 def _assess(grads, reference, floor_db: float, max_noise_ratio: float) -> Tuple[float, str, List[str], Dict[str, dict]]:
     """The lowest weight-gradient SQNR (dB) and its site; the sites that fail (module docstring);
-    and for each site under the floor, its SQNR and the noise rule's numbers."""
+    and for each site under the floor, its SQNR and the noise rule's numbers. A reference kept on
+    the host comes to the gradient's device one site at a time."""
     worst, where, failing, under = float("inf"), "", [], {}
     for name, ref in reference.items():
         got = grads.get(name)
         if ref is None or got is None:
             continue
+        ref = _moved(ref, (got[0] if got[0] is not None else got[1][0]).device)
         whole = _whole(got)
         finite = bool(torch.isfinite(whole).all())
         error, signal = noise_and_signal(whole, _whole(ref)).tolist() if finite else (math.inf, math.nan)
@@ -182,6 +203,9 @@ def check_plan_gradients(
     try:
         with compiled_scaling(layers.values()) if compiled else contextlib.nullcontext():
             reference = _gradients(layers, {}, loss_fn, halves=max_noise_ratio > 0)
+            host = _host_for(layers)
+            if host is not None:  # the reference waits on the host (module docstring)
+                reference = {name: _moved(gradient, host) for name, gradient in reference.items()}
             current = dict(planned)
             worst, where, failing, under = run(current)
             records.append({"kind": "plan", "worst_db": worst, "site": where, "fp8_roles": _fp8_roles(current), "failing": failing, "under_floor": under})
