@@ -94,8 +94,9 @@ class Loka:
             :meth:`step_end` marks the end of each step for them
             (:func:`~loka_torchrec.compile.end_compiled_step`).
         model: the model prepared (marked so until :meth:`close`; ``None`` when LoKA is off).
-        offload_probe_activations: the steps whose compiled modules run eagerly keep autograd's saved
-            activations in pinned host memory (``probe.offload_activations``, on a CUDA device).
+        offload_probe_activations: the steps whose compiled modules run eagerly, and the gradient
+            check's passes, keep autograd's saved activations in pinned host memory
+            (``probe.offload_activations``, on a CUDA device).
     """
 
     config: LokaConfig

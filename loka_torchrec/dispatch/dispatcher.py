@@ -432,7 +432,7 @@ class Dispatcher(EvidenceConsumer):
 
     def _agree(self, verdict: GuardVerdict) -> GuardVerdict:
         """The verdict every rank takes: medians all-reduced with max (the slowest rank counts)."""
-        device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
+        device = self._layers_device() or torch.device("cpu")
         return self._ranks.agree(verdict, device, self._guard.tolerance)
 
     # ------------------------------------------------------------------ training-loop hook
@@ -622,7 +622,7 @@ class Dispatcher(EvidenceConsumer):
     def _initial_plan(self) -> DispatchPlan:
         cfg = self.config
         sizes = self._layer_sizes()
-        device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
+        device = self._layers_device() or torch.device("cpu")
         if cfg.mode == "pinned":
             plan = DispatchPlan.load(cfg.plan_path)
             problem = plan.shape_mismatch(self._layer_shapes())
@@ -676,7 +676,7 @@ class Dispatcher(EvidenceConsumer):
         return next((site.weight.device for site in self._layers.values()), None)
 
     def _device_name(self) -> str:
-        device = next((m.weight.device for m in self._layers.values()), torch.device("cpu"))
+        device = self._layers_device() or torch.device("cpu")
         return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
     def running_digest(self) -> str:
