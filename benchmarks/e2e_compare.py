@@ -88,6 +88,10 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   default's amax history); ``loka_compile_default_loose_gates`` (not in the default list): that
   with the accuracy gates loosened (``dispatch.max_mere=0.5``, ``dispatch.min_grad_sqnr_db=10``),
   to measure what the gates cost in speed and save in NE; ``loka`` (not in the default list): the same, eager;
+* ``loka_compile_default_replay`` (not in the default list): the plan in ``--replay-plan`` (a
+  ``dispatch_plan.json`` that a ``loka_compile_default`` run of the same recipe and world size wrote)
+  replayed with ``loka.dispatch.mode=pinned``, Mods on, no Probe, compiled: the chosen plan's steady
+  state without the planning steps, so that repeated pairs (A B B A) fit in one call;
 * ``loka_comms_off``: ``loka`` with fp32 embedding comms set explicitly, no timing (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list); ``loka_dmpc2_compile_default``
@@ -228,6 +232,8 @@ _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
 # LoKA as a user switches it on in an existing job (LokaConfig(enabled=True)): the model unchanged.
 _LOKA_NOMODS = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=none")
 _PLAIN = ("loka.enabled=false",)
+# A plan written by a LoKA run, loaded as it is (the path comes from --replay-plan).
+_LOKA_REPLAY = ("loka.enabled=true", "loka.probe.enabled=false", "loka.mods.preset=all", "loka.dispatch.mode=pinned")
 # The probe steps' saved activations in pinned host memory (the eager steps' peak GPU memory).
 _OFFLOAD = "loka.probe.offload_activations=true"
 _LOOSE_GATES = ("loka.dispatch.max_mere=0.5", "loka.dispatch.min_grad_sqnr_db=10")
@@ -306,6 +312,9 @@ RUNS: Dict[str, RunSpec] = {
         # LoKA's run that also exports its dense modules for serving at the end and evaluates them
         # (train.export_serving): section "Serving what training ran".
         RunSpec("loka_compile_default_export", (*_LOKA, "train.export_serving=true"), compile="default"),
+        # LoKA's plan replayed (--replay-plan): the steady state of a plan an earlier run chose, with
+        # no Probe and no planning, so that repeated pairs fit in one call.
+        RunSpec("loka_compile_default_replay", _LOKA_REPLAY, compile="default"),
         RunSpec("loka_compile_default_auto_allreduce", (*_LOKA, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
     )
 }
@@ -441,6 +450,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--profile-steps", type=int, default=5, help="K: how many steps --profile-start profiles")
     p.add_argument("--override", action="append", default=[], help="an extra Hydra override for every run (repeatable)")
+    p.add_argument(
+        "--replay-plan", default=None, metavar="JSON",
+        help="the dispatch_plan.json that loka_compile_default_replay runs pin (one recipe's plan)",
+    )  # fmt: skip
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--max-seconds", type=float, default=5400.0, help="overall deadline in seconds; later runs are not started")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for <date>-<name>.json/.md/.png")
@@ -462,6 +475,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         retired = [r for r in unknown if r in _RETIRED_RUNS]
         hint = f" ({', '.join(retired)}: retired with the hand-written CUDA graphs; see {', '.join(_RETIRED_RUNS[r] for r in retired)})" if retired else ""
         p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)} (a repeat: <run>@2, @3, ...){hint}")
+    replays = [r for r in args.runs + args.one_seed_runs if _is_run(r) and "loka.dispatch.mode=pinned" in run_spec(r).overrides]
+    if replays and args.replay_plan is None:
+        p.error(f"--replay-plan: required by {', '.join(replays)} (the dispatch_plan.json of an earlier LoKA run)")
+    if args.replay_plan is not None:
+        if not os.path.isfile(args.replay_plan):
+            p.error(f"--replay-plan: expected a dispatch_plan.json, got {args.replay_plan!r} (no such file)")
+        if len(args.recipes) > 1 and replays:
+            p.error(f"--replay-plan: one plan fits one model; got --recipes {','.join(args.recipes)}")
+        args.replay_plan = os.path.abspath(args.replay_plan)
     repeated = sorted({r for r in args.runs if args.runs.count(r) > 1})
     if repeated:
         p.error(f"--runs: {', '.join(repeated)} listed twice; name a repeat <run>@2, <run>@3, ...")
@@ -527,6 +549,8 @@ def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: in
         overrides.append(f"loka.probe.warmup_steps={args.probe_warmup}")
     if args.torchao_auto_filter and spec.name in _TORCHAO_FILTERABLE:
         overrides.append("baseline.auto_filter=true")
+    if "loka.dispatch.mode=pinned" in spec.overrides:
+        overrides.append(f"loka.dispatch.plan_path={args.replay_plan}")
     overrides += [
         f"seed={seed}",
         f"train.steps={args.steps}",

@@ -27,8 +27,9 @@
 # NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 over sockets), E2E_OVERRIDES
 # (space-separated Hydra overrides for every e2e run, e.g. "train.reuse_batches=16"; with
 # "train.profile_host_stacks=true" each run's rank0/host_stacks.txt says where the host's step time
-# goes, benchmarks/host_stacks_diff.py compares two), E2E_PROFILE_STEPS (profiled steps near each run's
-# end, default 5; not timed), DENSE_ARGS
+# goes, benchmarks/host_stacks_diff.py compares two), E2E_REPLAY_PLAN (the dispatch_plan.json that
+# loka_compile_default_replay runs pin), E2E_PROFILE_STEPS (profiled steps near each run's
+# end, default 5; not timed), E2E_RUN_TIMEOUT (seconds one e2e run may take, default 300), DENSE_ARGS
 # (more arguments of dense_part_step.py, e.g. "--top-kernels 400"), INFERENCE_ARGS (more arguments of
 # inference_throughput.py, e.g. "--choose-at-batch"),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
@@ -67,9 +68,10 @@ case $stage in
     name=${2:?e2e NAME RECIPES SEEDS RUNS}; recipes=${3:?}; seeds=${4:?}; runs=${5:?}
     mkdir -p "$WORK/results"
     extra=(); for o in ${E2E_OVERRIDES:-}; do extra+=(--override "$o"); done
+    [ -n "${E2E_REPLAY_PLAN:-}" ] && extra+=(--replay-plan "$E2E_REPLAY_PLAN")
     python3 -P benchmarks/e2e_compare.py "${extra[@]}" --out "$WORK/results" --runs-dir "$WORK/runs" --name "$name" \
       --recipes "$recipes" --seeds "$seeds" --runs "$runs" --steps "$STEPS" --probe-warmup "$WARMUP" --nproc "${E2E_NPROC:-1}" \
-      --profile-start $(( STEPS - ${E2E_PROFILE_STEPS:-5} - 7 )) --profile-steps "${E2E_PROFILE_STEPS:-5}" --run-timeout 300 --max-seconds $(( $(left) - 25 )) \
+      --profile-start $(( STEPS - ${E2E_PROFILE_STEPS:-5} - 7 )) --profile-steps "${E2E_PROFILE_STEPS:-5}" --run-timeout "${E2E_RUN_TIMEOUT:-300}" --max-seconds $(( $(left) - 25 )) \
       > "$WORK/$name.log" 2>&1
     echo "=== e2e $name: rc=$?"
     tail -n 30 "$WORK/$name.log"

@@ -698,3 +698,24 @@ def test_serving_section_shows_each_exported_module_and_the_eval_ne_served():
     assert any(line.endswith("| +1.266 | n/a |") for line in alone)  # no bf16 run in the call
     assert any("dense_arch | not exported: not called in the evaluation batch" in line for line in lines)
     assert e2e.serving_section([_rec("bf16", 0, 7.0)]) == []
+
+
+def test_a_replay_run_pins_the_plan_it_is_given_and_refuses_to_run_without_one(tmp_path, capsys):
+    e2e = _driver()
+    plan = tmp_path / "dispatch_plan.json"
+    plan.write_text("{}")
+    args = e2e.parse_args(["--recipes", "dhen_xl", "--runs", "plain_compile,loka_compile_default_replay,loka_compile_default_replay@2",
+                           "--steps", "200", "--replay-plan", str(plan)])  # fmt: skip
+    replay = e2e.run_overrides(args, "dhen_xl", e2e.run_spec("loka_compile_default_replay@2"), 0)
+    for item in ("loka.dispatch.mode=pinned", f"loka.dispatch.plan_path={plan}", "loka.probe.enabled=false", "loka.mods.preset=all"):
+        assert item in replay
+    assert not any(item.startswith("loka.dispatch.plan_path") for item in e2e.run_overrides(args, "dhen_xl", e2e.RUNS["plain_compile"], 0))
+    assert args.window_start == 100  # no run plans: the second half is timed
+    for bad, expected in (
+        (["--runs", "loka_compile_default_replay"], "--replay-plan: required by loka_compile_default_replay"),
+        (["--runs", "loka_compile_default_replay", "--replay-plan", str(tmp_path / "none.json")], "no such file"),
+        (["--recipes", "dhen_xl,dcnv2_large", "--runs", "loka_compile_default_replay", "--replay-plan", str(plan)], "one plan fits one model"),
+    ):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(bad)
+        assert expected in capsys.readouterr().err
