@@ -202,6 +202,34 @@ def test_a_reference_kept_on_the_host_gives_the_same_check():
     assert grad_check._host_for({"a": torch.nn.Linear(2, 2)}) is None  # on the CPU: nothing to move
 
 
+def test_the_first_half_waits_where_it_is_parked_and_the_second_stays_on_the_sites_device():
+    """With two half-batch losses, the first half's gradients go to ``park`` before the second half's
+    backward runs (on a GPU: the host), so the device never holds both halves' sets; here the
+    ``meta`` device stands in for the host, which the CPU cannot tell apart from itself."""
+    from loka_torchrec.dispatch import grad_check
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    report = loka_torchrec.apply(model, DispatchConfig(mode="all-bf16"))
+    layers = report.dispatcher.managed_layers()
+    x = torch.randn(6, 16)
+
+    def halves():
+        out = model(x).square().mean(dim=1)
+        return torch.stack([out[:3].mean(), out[3:].mean()])
+
+    parked = grad_check._gradients(layers, {}, halves, park=torch.device("meta"))
+    kept = grad_check._gradients(layers, {}, halves)
+    assert set(parked) == set(layers) and all(g is not None for g in parked.values())
+    for name, (full, (first, second)) in parked.items():
+        assert full is None and first.device.type == "meta" and second.device.type == "cpu"
+        assert first.shape == second.shape == grad_check.site_parameter(layers[name]).shape
+        torch.testing.assert_close(second, kept[name][1][1], rtol=0, atol=0)  # the second half is untouched
+    # the mean of the halves' gradients is the batch's: the halves are the loss's two parts
+    whole = torch.autograd.grad(halves().mean(), [grad_check.site_parameter(m) for m in layers.values()])
+    for (name, (_, (first, second))), g in zip(kept.items(), whole):
+        torch.testing.assert_close((first + second) / 2, g)
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_reference_waits_on_the_host_and_the_check_holds_less():
     if not torch.cuda.is_available():
@@ -211,15 +239,25 @@ def test_on_cuda_the_reference_waits_on_the_host_and_the_check_holds_less():
     torch.manual_seed(0)
     peaks = {}
     for host in (None, torch.device("cpu")):
-        model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024)).cuda()
+        # Eight sites of 4 MiB of fp32 weight gradient each: a set of the sites' gradients outweighs one site's.
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
         report = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:rowwise"))
+        one_set = sum(p.numel() * 4 for name, p in model.named_parameters() if name.endswith("weight"))
         x = torch.randn(64, 1024, device="cuda")
+
+        def halves():
+            out = model(x).square().mean(dim=1)
+            return torch.stack([out[:32].mean(), out[32:].mean()])
+
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(grad_check, "_host_for", lambda layers, host=host: host)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            report.dispatcher.check_gradients(lambda: model(x).square().mean(), step=1)
+            report.dispatcher.check_gradients(halves, step=1)
             peaks[host is None] = torch.cuda.max_memory_allocated() - base
     assert grad_check._host_for(report.dispatcher.managed_layers()) == torch.device("cpu")
-    assert peaks[False] < peaks[True]  # the reference (16 MiB of fp32 weight gradients) waited on the host
+    assert peaks[False] < peaks[True]  # the reference waited on the host
+    # The first half's set waits on the host while the second half's is computed: the device never
+    # holds two sets (before, each run held both halves' sets at once).
+    assert peaks[False] < 2 * one_set, (peaks, one_set)

@@ -38,10 +38,11 @@ part of the batch's noise: the second rule keeps such GEMMs in FP8 and the first
 A demoted role's reason in the plan names the gradient it damaged and its SQNR. ``loss_fn`` must
 be deterministic (fixed batch, no dropout): every run must see the same model and data.
 
-Memory: on a GPU the reference gradients wait in host memory, and each site's comes back to the
-device only while that site is compared. A check then holds one run's gradients on the device
-(two per site with the halves) on top of the training step's memory, not two runs' worth; the
-gradients of a model's dense Parameters can be several GiB a set.
+Memory: on a GPU the reference gradients wait in host memory, and so does each run's first
+half-batch set while the second half's backward runs; a site's gradients come back to the device
+only while that site is compared. A check then holds one set of the sites' gradients on the device
+on top of the training step's memory, not two runs' worth of two halves each; the gradients of a
+model's dense Parameters can be several GiB a set.
 
 The check runs the model eagerly. For a model that trains compiled (``compiled=True``) the sites
 scale their forward operands as their compiled calls will
@@ -91,10 +92,14 @@ def site_parameter(module: torch.nn.Module) -> torch.nn.Parameter:
 
 
 def _gradients(
-    layers: Dict[str, torch.nn.Module], kernels: Dict[str, LayerKernels], loss_fn: Callable[[], torch.Tensor], *, halves: bool = True
+    layers: Dict[str, torch.nn.Module], kernels: Dict[str, LayerKernels], loss_fn: Callable[[], torch.Tensor], *,
+    halves: bool = True, park: Optional[torch.device] = None,
 ) -> Dict[str, Optional[SiteGradient]]:
     """Each site's weight gradient with ``kernels`` (high precision where none is given); when
-    ``loss_fn`` gives two half-batch losses (and ``halves``), each half's gradient too."""
+    ``loss_fn`` gives two half-batch losses (and ``halves``), each half's gradient too.
+
+    ``park``: where the first half's gradients wait while the second half's are computed (the
+    host, on a GPU), so that the device holds one half's set at a time, never both."""
     names = list(layers)
     params = [site_parameter(layers[name]) for name in names]
     for name in names:
@@ -103,11 +108,14 @@ def _gradients(
     if loss.dim() == 0 or not halves:
         grads = torch.autograd.grad(loss if loss.dim() == 0 else loss.mean(), params, allow_unused=True)
         return {name: None if g is None else (g.detach().float(), None) for name, g in zip(names, grads)}
-    first = torch.autograd.grad(loss[0], params, retain_graph=True, allow_unused=True)
+    first = [
+        None if g is None else g.detach().float().to(park or g.device)
+        for g in torch.autograd.grad(loss[0], params, retain_graph=True, allow_unused=True)
+    ]  # fmt: skip
     second = torch.autograd.grad(loss[1], params, allow_unused=True)
     out: Dict[str, Optional[SiteGradient]] = {}
     for name, a, b in zip(names, first, second):
-        out[name] = None if a is None or b is None else (None, (a.detach().float(), b.detach().float()))
+        out[name] = None if a is None or b is None else (None, (a, b.detach().float()))
     return out
 
 
@@ -143,14 +151,16 @@ def _noise_rule(got: SiteGradient, ref: SiteGradient, error: float, signal: floa
 
 def _assess(grads, reference, floor_db: float, max_noise_ratio: float) -> Tuple[float, str, List[str], Dict[str, dict]]:
     """The lowest weight-gradient SQNR (dB) and its site; the sites that fail (module docstring);
-    and for each site under the floor, its SQNR and the noise rule's numbers. A reference kept on
-    the host comes to the gradient's device one site at a time."""
+    and for each site under the floor, its SQNR and the noise rule's numbers. Gradients that wait
+    on the host (the reference, a first half) come to the device of the site's last computed
+    gradient (the whole one, or the second half's) one site at a time."""
     worst, where, failing, under = float("inf"), "", [], {}
     for name, ref in reference.items():
         got = grads.get(name)
         if ref is None or got is None:
             continue
-        ref = _moved(ref, (got[0] if got[0] is not None else got[1][0]).device)
+        device = (got[0] if got[0] is not None else got[1][1]).device
+        got, ref = _moved(got, device), _moved(ref, device)
         whole = _whole(got)
         finite = bool(torch.isfinite(whole).all())
         error, signal = noise_and_signal(whole, _whole(ref)).tolist() if finite else (math.inf, math.nan)
@@ -197,13 +207,15 @@ def check_plan_gradients(
     planned = {name: lp.kernels for name, lp in plan.layers.items() if name in layers}
     records: List[dict] = []
 
+    host = _host_for(layers)
+
     def run(kernels: Dict[str, LayerKernels]) -> Tuple[float, str, List[str], Dict[str, dict]]:
-        return _assess(_gradients(layers, kernels, loss_fn, halves=max_noise_ratio > 0), reference, floor_db, max_noise_ratio)
+        grads = _gradients(layers, kernels, loss_fn, halves=max_noise_ratio > 0, park=host)
+        return _assess(grads, reference, floor_db, max_noise_ratio)
 
     try:
         with compiled_scaling(layers.values()) if compiled else contextlib.nullcontext():
-            reference = _gradients(layers, {}, loss_fn, halves=max_noise_ratio > 0)
-            host = _host_for(layers)
+            reference = _gradients(layers, {}, loss_fn, halves=max_noise_ratio > 0, park=host)
             if host is not None:  # the reference waits on the host (module docstring)
                 reference = {name: _moved(gradient, host) for name, gradient in reference.items()}
             current = dict(planned)
