@@ -1157,6 +1157,62 @@ def strongest_baselines_section(records: List[Dict[str, Any]], recipes: Sequence
     ]
 
 
+def repeats_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> List[str]:
+    """"Repeated runs": per recipe and seed, each configuration run more than once in the call
+    (``<run>``, ``<run>@2``, ...) with its step times in call order and their spread, then each
+    LoKA configuration against each reference (the user's job, the same architecture in bf16)
+    where either ran more than once: the ratio of their mean steps and the range of the ratios
+    of every pair of their runs. A ratio that moves less than the spread of one configuration
+    is not LoKA's."""
+    references = (*USER_JOB_REFERENCES, *COMPILED_REFERENCES, *NOMODS_REFERENCES)
+    rows, pairs = [], []
+    for recipe in recipes:
+        seeds = sorted({r["seed"] for r in records if r["recipe"] == recipe})
+        for seed in seeds:
+            by_base: Dict[str, List[float]] = {}
+            for r in records:
+                if r["recipe"] == recipe and r["seed"] == seed and r["status"] == "ok" and r.get("median_step_ms"):
+                    by_base.setdefault(r["run"].partition(REPEAT_SEPARATOR)[0], []).append(r["median_step_ms"])
+            for base, times in by_base.items():
+                if len(times) > 1:
+                    spread = max(times) / min(times) - 1
+                    rows.append(f"| {recipe} | {seed} | {base} | {' / '.join(f'{t:.2f}' for t in times)} | {statistics.fmean(times):.2f} | {100 * spread:.1f}% |")
+            for loka in (b for b in by_base if b.startswith("loka")):
+                for ref in (b for b in references if b in by_base):
+                    mine, theirs = by_base[loka], by_base[ref]
+                    if len(mine) < 2 and len(theirs) < 2:
+                        continue
+                    ratios = [t / m for t in theirs for m in mine]
+                    pairs.append(
+                        f"| {recipe} | {seed} | {loka} ({len(mine)}) | {ref} ({len(theirs)}) "
+                        f"| {_times(statistics.fmean(theirs) / statistics.fmean(mine))} | {_times(min(ratios))} - {_times(max(ratios))} |"
+                    )
+    if not rows:
+        return []
+    lines = [
+        "## Repeated runs",
+        "",
+        "Each configuration that ran more than once in this call (`<run>`, `<run>@2`, ...): its median step of each run, "
+        "in call order, their mean, and the spread (slowest over fastest, minus 1).",
+        "",
+        "| recipe | seed | run | ms/step, each run | mean | spread |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    if pairs:
+        lines += [
+            "LoKA against each reference where either ran more than once (runs of each in brackets): the reference's mean "
+            "step over LoKA's, and the range over every pair of their runs.",
+            "",
+            "| recipe | seed | LoKA run | reference | mean over mean | every pair |",
+            "|---|---|---|---|---|---|",
+            *pairs,
+            "",
+        ]
+    return lines
+
+
 def serving_section(records: List[Dict[str, Any]]) -> List[str]:
     """"Serving what training ran": per run that exported (``train.export_serving``), each dense module's
     program and what ran FP8 in it, and eval NE/AUC of the model trained, served (FP8 where it runs) and
@@ -1444,6 +1500,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
             lines.append(f"| {r['recipe']} | {r['run']} | {r['seed']} | {r['status']} | {reason} |")
         lines.append("")
     lines += strongest_baselines_section(records, a["recipes"])
+    lines += repeats_section(records, a["recipes"])
     lines += gain_split_section(records, a["recipes"])
     lines += comms_section(records)
     lines += serving_section(records)

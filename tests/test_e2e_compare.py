@@ -719,3 +719,19 @@ def test_a_replay_run_pins_the_plan_it_is_given_and_refuses_to_run_without_one(t
         with pytest.raises(SystemExit):
             e2e.parse_args(bad)
         assert expected in capsys.readouterr().err
+
+
+def test_the_repeated_runs_section_gives_each_configurations_spread_and_mean_ratios():
+    e2e = _driver()
+    records = [_rec("plain_compile", 0, 113.53), _rec("loka_compile_default_replay", 0, 85.37),
+               _rec("loka_compile_default_replay@2", 0, 83.89), _rec("plain_compile@2", 0, 112.97),
+               _rec("bf16_compile", 0, 107.83), _rec("torchao_rowwise_compile", 0, 90.0),
+               _rec("torchao_rowwise_compile@2", 0, 91.0, status="timeout")]  # fmt: skip
+    text = "\n".join(e2e.repeats_section(records, ["r"]))
+    assert "| r | 0 | plain_compile | 113.53 / 112.97 | 113.25 | 0.5% |" in text
+    assert "| r | 0 | loka_compile_default_replay | 85.37 / 83.89 | 84.63 | 1.8% |" in text
+    assert "torchao_rowwise_compile |" not in text  # its repeat did not complete: nothing to compare
+    # mean over mean 113.25 / 84.63; every pair from 112.97 / 85.37 to 113.53 / 83.89
+    assert "| r | 0 | loka_compile_default_replay (2) | plain_compile (2) | 1.338x | 1.323x - 1.353x |" in text
+    assert "| r | 0 | loka_compile_default_replay (2) | bf16_compile (1) | 1.274x | 1.263x - 1.285x |" in text
+    assert e2e.repeats_section([_rec("plain_compile", 0, 1.0), _rec("loka_compile", 0, 1.0)], ["r"]) == []
