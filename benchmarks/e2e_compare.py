@@ -85,7 +85,9 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   ``train.compile=reduce-overhead``; ``loka_compile_default`` (not in the default list): with
   ``train.compile=default``; ``loka_compile_default_current`` (not in the default list): that with
   ``dispatch.forward_scaling=current`` (each FP8 forward operand scaled by its own amax, not the
-  default's amax history); ``loka_compile_default_loose_gates`` (not in the default list): that
+  default's amax history); ``loka_compile_default_delayed_grads`` (not in the default list): that with
+  ``dispatch.grad_scaling=delayed`` (each FP8 ``dy`` scaled by the amax of its layer's earlier backward
+  calls, so its cast needs no reduction over ``dy`` first); ``loka_compile_default_loose_gates`` (not in the default list): that
   with the accuracy gates loosened (``dispatch.max_mere=0.5``, ``dispatch.min_grad_sqnr_db=10``),
   to measure what the gates cost in speed and save in NE; ``loka`` (not in the default list): the same, eager;
 * ``loka_compile_default_replay`` (not in the default list): the plan in ``--replay-plan`` (a
@@ -293,6 +295,7 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("loka_nomods_compile_offload", (*_LOKA_NOMODS, _OFFLOAD), compile="reduce-overhead"),
         RunSpec("loka_nomods_compile_default", _LOKA_NOMODS, compile="default"),
         RunSpec("loka_compile_default_current", (*_LOKA, "loka.dispatch.forward_scaling=current"), compile="default"),
+        RunSpec("loka_compile_default_delayed_grads", (*_LOKA, "loka.dispatch.grad_scaling=delayed"), compile="default"),
         # The accuracy gates loosened (MERE bound 0.5, gradient floor 10 dB): what the gates cost in
         # speed, and what they save in NE.
         RunSpec("loka_compile_default_loose_gates", (*_LOKA, *_LOOSE_GATES), compile="default"),

@@ -288,7 +288,11 @@ def format_summary(s: Dict[str, Any]) -> str:
         lines.append(f"LoKA             {loka['converted_layers']} layers converted; {loka['plan']}")
         lines.append(f"dispatch plan    {loka['plan_file']}")
         if loka.get("forward_scaling"):
-            lines.append(f"FP8 scaling      forward inputs and weights: {loka['forward_scaling']}; gradients: current")
+            grads = loka.get("grad_scaling", "current")
+            events = loka.get("grad_scaling_events") or {}
+            if grads == "delayed":
+                grads += f" ({events.get('saturated', 0)} backward call(s) saturated, {events.get('nonfinite', 0)} non-finite)"
+            lines.append(f"FP8 scaling      forward inputs and weights: {loka['forward_scaling']}; gradients: {grads}")
         if loka.get("comms"):
             lines.append(f"embedding comms  {loka['comms']}")
         checks = loka.get("layer_checks") or []

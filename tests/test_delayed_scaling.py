@@ -331,3 +331,144 @@ def test_the_gradient_check_judges_the_scales_training_uses(compiled):
     assert (plan.fp8_gemm_count() < 6) == compiled, plan.table()
     if compiled:  # the next compiled step's scales are those of the training steps before the check
         assert all(torch.equal(site._amax_history, h) for site, h in zip(sites, histories))
+
+
+# ------------------------------------------------------------------------ delayed gradient scaling
+def _dy_cast_waits_for_dy(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether, in the compiled backward graph, a cast of ``dy`` (rows x out) to FP8 depends on a
+    reduction over ``dy`` (an ``amax`` of a tensor of ``dy``'s size): current scaling's two passes."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    def forward_as_is(gm, _inputs):
+        return make_boxed_func(gm.forward)
+
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=forward_as_is, bw_compiler=keep), fullgraph=True)
+    for _ in range(2):  # the second call runs with the recorded history
+        compiled(x).sum().backward()
+    backward = graphs[-1].graph
+    rows, out = x.shape[0], model.out_features
+
+    def numel(node):
+        val = node.meta.get("val")
+        return val.numel() if isinstance(val, torch.Tensor) else 0
+
+    def waits(node, seen):
+        for parent in node.all_input_nodes:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            if parent.target == torch.ops.aten.amax.default and numel(parent.args[0]) == rows * out:
+                return True
+            if waits(parent, seen):
+                return True
+        return False
+
+    def to_fp8(node):
+        if node.target == torch.ops.prims.convert_element_type.default:
+            return node.args[1] == torch.float8_e4m3fn
+        return node.target == torch.ops.aten._to_copy.default and node.kwargs.get("dtype") == torch.float8_e4m3fn
+
+    casts = [n for n in backward.nodes if n.op == "call_function" and to_fp8(n) and numel(n) == rows * out]
+    assert casts, "no FP8 cast of dy in the backward graph"
+    torch._dynamo.reset()
+    return any(waits(cast, set()) for cast in casts)
+
+
+def test_delayed_gradients_cast_dy_without_waiting_for_its_amax():
+    """Compiled, current scaling casts ``dy`` only after reducing ``dy`` (two passes); delayed
+    scaling casts it by the recorded history, so the cast can fuse into ``dy``'s producer."""
+    torch.manual_seed(4)
+    x = torch.randn(32, 64, requires_grad=True)
+    for scaling, waits in (("current", True), ("delayed", False)):
+        layer = LokaLinear(64, 48, kernels=TENSORWISE, forward_scaling="delayed")
+        layer.grad_scaling = scaling
+        assert _dy_cast_waits_for_dy(layer, x) is waits, scaling
+
+
+def test_delayed_gradients_scale_by_the_history_record_it_and_count_saturation():
+    """The first compiled backward scales ``dy`` by its own amax and records it; then each scales by
+    the history's largest amax: the same ``dy`` gives the same gradients as current scaling, bit for
+    bit, and a grown ``dy`` is clipped there and counted."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    base = nn.Linear(64, 48, bias=False)
+    layers = {s: LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling="delayed") for s in ("current", "delayed")}
+    layers["delayed"].grad_scaling = "delayed"
+    counter = _compile_counter()
+    compiled = {s: torch.compile(layer, backend=counter if s == "delayed" else "inductor", fullgraph=True) for s, layer in layers.items()}
+    x = torch.randn(32, 64)
+    dy = torch.randn(32, 48)
+
+    def grads(scaling, dy):
+        xs = x.clone().requires_grad_(True)
+        layers[scaling].zero_grad()
+        compiled[scaling](xs).backward(dy)
+        return xs.grad, layers[scaling].weight.grad.clone()
+
+    for step in range(3):
+        same = {s: grads(s, dy) for s in compiled}
+        for got, ref in zip(same["delayed"], same["current"]):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)  # the history's amax is dy's own
+    history = layers["delayed"]._grad_amax_history
+    assert history[:3].tolist() == [float(tensor_amax(dy))] * 3 and float(history[3:].abs().sum()) == 0.0
+    assert layers["current"]._grad_amax_history.abs().sum() == 0  # current scaling records nothing
+    assert layers["delayed"].grad_scaling_events() == {"saturated": 0, "nonfinite": 0}
+    assert counter.frame_count == 2  # the seeding call, then the delayed graph
+    grown = dy.clone()
+    grown[0] *= 10.0
+    clipped = {s: grads(s, grown) for s in compiled}
+    assert not torch.allclose(clipped["delayed"][0][0], clipped["current"][0][0], rtol=0.05)  # its row saturated
+    # the other rows keep the scale they had: dx's rows are those of the unchanged dy's
+    torch.testing.assert_close(clipped["delayed"][0][1:], same["delayed"][0][1:], rtol=0, atol=0)
+    assert layers["delayed"].grad_scaling_events() == {"saturated": 1, "nonfinite": 0}
+    assert float(history[0]) == float(tensor_amax(grown))  # recorded: the next call scales by it
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
+def test_delayed_gradients_count_a_nonfinite_dy_and_keep_the_history():
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    layer = LokaLinear(32, 16, bias=False, kernels=TENSORWISE, forward_scaling="delayed")
+    layer.grad_scaling = "delayed"
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    x = torch.randn(8, 32)
+    for dy in (torch.randn(8, 16), torch.randn(8, 16)):
+        compiled(x.clone().requires_grad_(True)).backward(dy)
+    before = layer._grad_amax_history.clone()
+    bad = torch.randn(8, 16)
+    bad[2, 3] = float("inf")
+    xs = x.clone().requires_grad_(True)
+    compiled(xs).backward(bad)
+    assert not torch.isfinite(xs.grad).all()  # never silently finite
+    assert layer.grad_scaling_events()["nonfinite"] == 1
+    assert float(layer._grad_amax_history[0]) == float(before[0])  # the inf is not recorded
+    torch._dynamo.reset()
+
+
+def test_grad_scaling_is_configured_checked_and_left_alone_by_checks():
+    with pytest.raises(ValueError, match="dispatch.grad_scaling"):
+        DispatchConfig(grad_scaling="lazy")
+    layer = LokaLinear(16, 8, kernels=TENSORWISE)
+    with pytest.raises(ValueError, match="grad_scaling"):
+        layer.grad_scaling = "Delayed"
+    assert layer.grad_scaling == "current" and DispatchConfig().grad_scaling == "current"  # opt-in
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+    report = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", grad_scaling="delayed", compiled=True))
+    sites = [m for m in model.modules() if isinstance(m, LokaLinear)]
+    assert all(s.grad_scaling == "delayed" for s in sites) and report.dispatcher.grad_scaling == "delayed"
+    # an eager call judged as the compiled one (the gradient check) records nothing
+    with compiled_scaling(sites):
+        model(torch.randn(4, 32)).sum().backward()
+    assert all(float(s._grad_amax_history.abs().sum()) == 0 for s in sites)
+    assert report.dispatcher.grad_scaling_events() == {"saturated": 0, "nonfinite": 0}
+    eager = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", grad_scaling="delayed"))
+    assert all(s.grad_scaling == "current" for s in sites) and eager.dispatcher.grad_scaling == "current"

@@ -1007,6 +1007,9 @@ class Trainer:
             "coverage": dict(plan.coverage),  # share of linear multiply-adds per row that Dispatch manages
             "plan_file": os.path.join(self.run_dir, "dispatch_plan.json"),
             "forward_scaling": self.loka.dispatcher.forward_scaling,  # what scales the FP8 forward operands
+            "grad_scaling": self.loka.dispatcher.grad_scaling,  # what scales the FP8 dy operands
+            # backward calls whose dy saturated against its delayed amax, or held inf/NaN (rank 0's layers)
+            "grad_scaling_events": self.loka.dispatcher.grad_scaling_events(),
             "fallen_back": self.loka.dispatcher.fallen_back,
             "step_guard": self.loka.dispatcher.step_guard_reason,
             # What the checks after planning saw (rank 0 records them): layer timings, guard verdicts.

@@ -93,9 +93,16 @@ class DispatchConfig:
             current amax): ``"delayed"`` (the default: the largest amax of the layer's last 16
             calls, so the cast is fused into one pass, and values beyond that amax saturate) or
             ``"current"`` (each tensor's own amax: the compiled step reads it twice, amax then
-            cast). Gradients always use their current amax. The Probe's error evidence and the
-            gradient check measure the scaling the layers use. See
-            :class:`~loka_torchrec.dispatch.gemm_site.GemmSite`.
+            cast). The Probe's error evidence and the gradient check measure the scaling the
+            layers use. See :class:`~loka_torchrec.dispatch.gemm_site.GemmSite`.
+        grad_scaling: what scales the backward's FP8 tensorwise ``dy`` operands (grad-input's and
+            grad-weight's) where the layers run compiled: ``"current"`` (the default: ``dy``'s own
+            amax, so the compiled backward reads ``dy`` twice, amax then cast) or ``"delayed"``
+            (the largest amax of the layer's last 16 backward calls, recorded by the backward
+            itself, so that Inductor can fuse the cast into ``dy``'s producer; values beyond it
+            saturate, and the calls that saturated are counted, ``GemmSite.grad_events``). Eager
+            layers scale ``dy`` by its current amax either way. Not yet judged by the Probe's
+            error evidence, which measures gradients with current scaling: opt-in.
     """
 
     mode: str = "policy"
@@ -122,6 +129,7 @@ class DispatchConfig:
     max_grad_noise_ratio: float = 0.1
     grad_check: bool = True
     forward_scaling: str = "delayed"
+    grad_scaling: str = "current"
 
     def __post_init__(self) -> None:
         check_field_types(self, "dispatch")  # types first: a range check of a str fails deep inside
@@ -157,6 +165,10 @@ class DispatchConfig:
             raise ValueError(
                 f"dispatch.forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {self.forward_scaling!r}"
             )
+        if self.grad_scaling not in FORWARD_SCALINGS:
+            raise ValueError(
+                f"dispatch.grad_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {self.grad_scaling!r}"
+            )
         if self.step_guard_window < 0:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if self.layer_check_reps < 0:
@@ -177,6 +189,11 @@ class DispatchConfig:
         (``compiled``), else ``"current"``: an eager call scales by the current amax either way,
         and a ``"current"`` site keeps no amax history (two reductions a call that nothing reads)."""
         return self.forward_scaling if self.compiled else "current"
+
+    @property
+    def site_grad_scaling(self) -> str:
+        """The ``dy`` scaling Dispatch gives its sites: ``grad_scaling`` where the layers run compiled, else ``"current"``."""
+        return self.grad_scaling if self.compiled else "current"
 
     @property
     def static_choice(self) -> Optional[KernelChoice]:

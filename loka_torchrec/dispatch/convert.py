@@ -211,6 +211,7 @@ def convert_linears(model: nn.Module, config: DispatchConfig) -> Tuple[Dict[str,
         if sites or isinstance(module, FAST_PATH_MODULES):
             scope_module(module, sites)
             report.scopes.append(name)
-    for site in layers.values():  # an earlier apply's sites take this config's scaling too
+    for site in layers.values():  # new sites, and an earlier apply's, take this config's scaling
         site.forward_scaling = config.site_forward_scaling
+        site.grad_scaling = config.site_grad_scaling
     return layers, report

@@ -116,6 +116,21 @@ class Dispatcher(EvidenceConsumer):
         return self.config.site_forward_scaling
 
     @property
+    def grad_scaling(self) -> str:
+        """What scales the backward's FP8 tensorwise ``dy`` in training: ``dispatch.grad_scaling``
+        where the layers run compiled, else ``"current"``."""
+        return self.config.site_grad_scaling
+
+    def grad_scaling_events(self) -> Dict[str, int]:
+        """Over this rank's layers, the backward calls whose ``dy`` saturated against its delayed
+        amax or held inf/NaN (:meth:`GemmSite.grad_scaling_events`; zeros under current scaling)."""
+        totals = {"saturated": 0, "nonfinite": 0}
+        for site in self._layers.values():
+            for key, count in site.grad_scaling_events().items():
+                totals[key] += count
+        return totals
+
+    @property
     def grad_format(self) -> Fp8Format:
         """FP8 format of the gradient operands (``dispatch.grad_format``); the Probe measures with it."""
         return self._grad_format

@@ -24,8 +24,9 @@ from loka_torchrec.dispatch.operands import OperandKind, crop, pack_operand, pad
 from loka_torchrec.dispatch.quantizer import Quantizer
 from loka_torchrec.dispatch.role_kernels import RoleKernel, SitePlan, prior_amax_by_operand, reuses_transposed
 from loka_torchrec.fp8 import Fp8Tensor, Granularity
+from loka_torchrec.fp8.scaling import tensor_amax
 
-__all__ = ["KeptActivation", "LokaLinearFunction", "forward_gemm"]
+__all__ = ["KeptActivation", "LokaLinearFunction", "forward_gemm", "record_grad_amax"]
 
 
 class KeptActivation(enum.Enum):
@@ -35,6 +36,19 @@ class KeptActivation(enum.Enum):
     HIGH_PRECISION = "hp"  # x itself (grad-weight runs in high precision)
     FP8_TRANSPOSED = "transpose"  # the forward's FP8 x, transposed in the backward
     OPERAND = "operand"  # grad-weight's B operand x^T, quantized in the forward
+
+
+def record_grad_amax(history: torch.Tensor, events: torch.Tensor, dy2d: torch.Tensor, *, delayed: bool) -> None:
+    """Push ``dy``'s amax onto a site's ``dy`` history (newest first; a non-finite amax repeats the
+    newest entry, so one step's inf sets no later scale) and count the call in ``events``: ``[0]``
+    where ``dy`` went beyond the delayed amax that scaled it (``delayed``: it saturated), ``[1]``
+    where ``dy`` held inf or NaN. Both are written in place by the backward; compiled, AOTAutograd
+    keeps such writes of forward inputs in the backward graph."""
+    observed = tensor_amax(dy2d.detach()).to(history.dtype)
+    finite = torch.isfinite(observed)
+    saturated = (observed > history.amax()) & finite if delayed else torch.zeros_like(finite)
+    events.copy_(events + torch.stack([saturated, ~finite]).to(events.dtype))
+    history.copy_(torch.cat([torch.where(finite, observed, history[0]).reshape(1), history[:-1]]))
 
 
 def _weight_operand(q: Quantizer, weight: torch.Tensor, kernel: RoleKernel, plan: SitePlan, *, transposed: bool) -> Any:
@@ -150,12 +164,18 @@ class LokaLinearFunction(torch.autograd.Function):
     ``prior_amax``: ``None``, or (compiled) the ``(2,)`` delayed amaxes of the input and the weight
     (:meth:`GemmSite._forward_planned`; used where
     :func:`~loka_torchrec.dispatch.role_kernels.delayed_operands` says).
+    ``grad_history``, ``grad_events``: ``None`` (``dy`` scaled by its current amax, nothing recorded),
+    or the site's ``dy`` amax history and event counts (:func:`record_grad_amax`); then
+    ``grad_delayed`` scales the backward's tensorwise ``dy`` operands by the history's largest amax
+    instead of ``dy``'s own, and ``grad_record`` records this call's (compiled training calls; not
+    a check of a compiled model's numerics).
     Returns ``(y, nonfinite)``: ``nonfinite`` counts the NaN scales of the forward's operands when
     compiled (``None`` eagerly, where the layer's queue counts them).
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, plan: SitePlan, state: Optional[EagerState], prior_amax):  # type: ignore[override]
+    def forward(ctx, x2d, weight, bias, plan: SitePlan, state: Optional[EagerState], prior_amax,  # type: ignore[override]
+                grad_history=None, grad_events=None, grad_delayed: bool = False, grad_record: bool = False):  # fmt: skip
         q = Quantizer(state, None if prior_amax is None else prior_amax_by_operand(plan, prior_amax))
         # x for the forward GEMM and x^T for grad-weight from one read of x, where one backend runs both.
         pair = None
@@ -170,6 +190,9 @@ class LokaLinearFunction(torch.autograd.Function):
                 w_t = transpose_fp8(w_op)
         y, xq = forward_gemm(q, x2d, weight, bias, plan, xq=None if pair is None else pair[0], w_op=w_op)
         ctx.plan, ctx.state = plan, state
+        # Written in place by the backward: kept on ctx, not saved (a saved tensor's version is checked).
+        ctx.grad_history, ctx.grad_events = grad_history, grad_events
+        ctx.grad_delayed, ctx.grad_record = grad_delayed and grad_history is not None, grad_record and grad_history is not None
         ctx.x_dtype = x2d.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -200,7 +223,10 @@ class LokaLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy2d, _nonfinite_grad):  # type: ignore[override]
         plan = ctx.plan
-        q = Quantizer(ctx.state)
+        # The delayed amax is read before this call's is recorded.
+        q = Quantizer(ctx.state, {"grad_output": ctx.grad_history.amax()} if ctx.grad_delayed else None)
+        if ctx.grad_record:
+            record_grad_amax(ctx.grad_history, ctx.grad_events, dy2d, delayed=ctx.grad_delayed)
         weight, *saved = ctx.saved_tensors
         x_tensors, w_t_tensors = saved[: ctx.n_x_tensors], saved[ctx.n_x_tensors :]
         w_t = None if ctx.w_t_meta is None else unpack_operand(tuple(w_t_tensors), ctx.w_t_meta)
@@ -217,4 +243,4 @@ class LokaLinearFunction(torch.autograd.Function):
             grad_w = _grad_weight(q, dy2d, ctx.x_kept, x_op, dyq, plan, weight.dtype, dytq=None if pair is None else pair[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2d.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

@@ -23,7 +23,7 @@ from loka_torchrec.dispatch.eager_cache import EagerState
 from loka_torchrec.dispatch.gemm_function import LokaLinearFunction, forward_gemm
 from loka_torchrec.dispatch.layer_kernels import LayerKernels
 from loka_torchrec.dispatch.quantizer import Quantizer
-from loka_torchrec.dispatch.role_kernels import GEMM_ROLES, RoleKernel, SitePlan, delayed_operands, prior_amax_by_operand
+from loka_torchrec.dispatch.role_kernels import GEMM_ROLES, RoleKernel, SitePlan, delayed_grad_operand, delayed_operands, prior_amax_by_operand
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape
 from loka_torchrec.fp8 import Fp8Format, tensor_amax
 from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
@@ -92,10 +92,16 @@ class GemmSite(nn.Module):
     for the layers that use it. Eager calls inside :func:`compiled_scaling` (checks of a compiled
     model's numerics) scale as compiled calls do and record nothing. A compiled call that finds
     no history yet scales by the current amax, records it, and the next call compiles once more.
-    Gradients (``dy``) are always scaled by their current amax. The history is run-time state,
-    not in ``state_dict``: after a restart the first call records it again. A layer built directly
-    is ``"current"`` unless told; Dispatch gives its sites ``DispatchConfig.forward_scaling``
-    (default ``"delayed"``) where they run compiled (``DispatchConfig.site_forward_scaling``).
+
+    **Gradient scaling** (``grad_scaling``, opt-in: ``DispatchConfig.grad_scaling``). ``"current"``:
+    ``dy`` is scaled by its own amax. ``"delayed"``: compiled, the backward scales its tensorwise
+    ``dy`` operands by the largest amax of the last ``AMAX_HISTORY`` backward calls and records its
+    own amax, writing the history in place; values beyond it saturate, counted per call with the
+    non-finite ones (:meth:`grad_scaling_events`). The histories are run-time state,
+    not in ``state_dict``: after a restart the first call records them again. A layer built directly
+    is ``"current"`` in both unless told; Dispatch gives its sites ``DispatchConfig.forward_scaling``
+    (default ``"delayed"``) and ``DispatchConfig.grad_scaling`` (default ``"current"``) where they run
+    compiled (``DispatchConfig.site_forward_scaling``, ``site_grad_scaling``).
     """
 
     _nonfinite_count: torch.Tensor
@@ -108,11 +114,10 @@ class GemmSite(nn.Module):
     def _init_dispatch(
         self, kernels: LayerKernels, grad_format: Fp8Format, device: torch.device, forward_scaling: str = "current"
     ) -> None:
-        # Non-persistent: run-time state, not model state; checkpoints stay nn.Linear's.
-        self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-        # Row 0: the input's amax per call, row 1: the weight's; column 0 the newest.
-        self.register_buffer("_amax_history", torch.zeros(2, AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
+        self._runtime_buffers(device)
         self._history_seeded = False
+        self._grad_history_seeded = False
+        self.grad_scaling = "current"
         self._scaled_as_compiled = False  # eager calls scale as compiled ones: compiled_scaling()
         self.forward_scaling = forward_scaling
         self._eager = EagerState()
@@ -123,6 +128,16 @@ class GemmSite(nn.Module):
         self._grad_format = Fp8Format.parse(grad_format, field="grad_format")
         self._plan_device: Optional[torch.device] = None
         self.set_kernels(kernels)
+
+    def _runtime_buffers(self, device: torch.device) -> None:
+        """(Re)make the run-time buffers on ``device``, zeroed. Non-persistent: run-time state, not
+        model state; checkpoints stay ``nn.Linear``'s."""
+        self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # Row 0: the input's amax per call, row 1: the weight's; column 0 the newest.
+        self.register_buffer("_amax_history", torch.zeros(2, AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
+        # The backward's dy amaxes, newest first, and its event counts (saturated, non-finite): grad_scaling.
+        self.register_buffer("_grad_amax_history", torch.zeros(AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("_grad_events", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
 
     # ----------------------------------------------------------------------------- kernels
     @property
@@ -148,6 +163,17 @@ class GemmSite(nn.Module):
         if value not in FORWARD_SCALINGS:
             raise ValueError(f"forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
         self._forward_scaling = value
+
+    @property
+    def grad_scaling(self) -> str:
+        """``"current"`` or ``"delayed"``: what scales the backward's FP8 ``dy`` operands (class docstring)."""
+        return self._grad_scaling
+
+    @grad_scaling.setter
+    def grad_scaling(self, value: str) -> None:
+        if value not in FORWARD_SCALINGS:
+            raise ValueError(f"grad_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+        self._grad_scaling = value
 
     @property
     def plan(self) -> SitePlan:
@@ -269,7 +295,7 @@ class GemmSite(nn.Module):
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         if needs_grad:
-            y2d, nonfinite = LokaLinearFunction.apply(x2d, weight, bias, plan, state, prior_amax)
+            y2d, nonfinite = LokaLinearFunction.apply(x2d, weight, bias, plan, state, prior_amax, *self._grad_scaling_args(plan))
         else:  # no autograd bookkeeping, nothing kept for a backward
             q = Quantizer(state, None if prior_amax is None else prior_amax_by_operand(plan, prior_amax))
             y2d = forward_gemm(q, x2d, weight.detach(), None if bias is None else bias.detach(), plan)[0]
@@ -277,6 +303,26 @@ class GemmSite(nn.Module):
         if nonfinite is not None:
             self._nonfinite_count.add_(nonfinite)
         return y2d.reshape(*lead, self.out_features)
+
+    def _grad_scaling_args(self, plan: SitePlan) -> tuple:
+        """The ``dy`` arguments of :class:`LokaLinearFunction` (``grad_scaling``, class docstring):
+        none (current scaling), or the history, the event counts, whether to scale by the history
+        and whether to record. A compiled call records; the first one scales by ``dy``'s own amax
+        and the next compiles once more with the history its backward recorded. An eager call
+        judged as a compiled one (:func:`compiled_scaling`) scales as it would and records nothing."""
+        if self.grad_scaling != "delayed" or not delayed_grad_operand(plan) or not (compiling() or self._scaled_as_compiled):
+            return ()
+        record = compiling()
+        delayed = self._grad_history_seeded
+        if record and not delayed:
+            self._grad_history_seeded = True
+        return self._grad_amax_history, self._grad_events, delayed, record
+
+    def grad_scaling_events(self) -> Dict[str, int]:
+        """Backward calls whose ``dy`` went beyond its delayed amax (``saturated``: its largest values
+        were clipped to the format's maximum) or held inf/NaN (``nonfinite``), since the layer was made."""
+        saturated, nonfinite = self._grad_events.tolist()
+        return {"saturated": saturated, "nonfinite": nonfinite}
 
     def _record_amax(self, x2d: torch.Tensor, weight: torch.Tensor, slots: Tuple[bool, bool]) -> torch.Tensor:
         """Push this call's amax of the input and the weight (where ``slots`` says; the newest entry

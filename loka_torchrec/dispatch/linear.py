@@ -172,8 +172,7 @@ class LokaLinear(GemmSite, nn.Linear):
         )  # fmt: skip
         new.weight = weight
         new.bias = linear.bias
-        new._nonfinite_count = torch.zeros((), dtype=torch.int64, device=weight.device)
-        new._amax_history = torch.zeros_like(new._amax_history, device=weight.device)
+        new._runtime_buffers(weight.device)
         new.set_kernels(kernels)  # planned for the real device now that the weight is there
         new.train(linear.training)
         return new

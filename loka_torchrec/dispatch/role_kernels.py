@@ -20,7 +20,7 @@ from loka_torchrec.fp8 import Granularity
 from loka_torchrec.gemm.backends import GemmBackend, get_backend
 from loka_torchrec.gemm.recipes import GemmRecipe
 
-__all__ = ["GEMM_ROLES", "SitePlan", "RoleKernel", "delayed_operands", "prior_amax_by_operand", "reuses_transposed"]
+__all__ = ["GEMM_ROLES", "SitePlan", "RoleKernel", "delayed_grad_operand", "delayed_operands", "prior_amax_by_operand", "reuses_transposed"]
 
 GEMM_ROLES = (GemmRole.FORWARD, GemmRole.GRAD_INPUT, GemmRole.GRAD_WEIGHT)
 
@@ -86,6 +86,12 @@ def delayed_operands(plan: SitePlan) -> Tuple[bool, bool]:
         return kernel.fp8 and getattr(kernel.recipe, operand).granularity == Granularity.TENSORWISE
 
     return tensorwise(plan.fwd, "a") or tensorwise(plan.wgrad, "b"), tensorwise(plan.fwd, "b")
+
+
+def delayed_grad_operand(plan: SitePlan) -> bool:
+    """Whether the backward quantizes ``dy`` as an FP8 tensorwise operand (grad-input's ``dy`` or
+    grad-weight's ``dy^T``): the operand that delayed gradient scaling serves."""
+    return any(k.fp8 and k.recipe.a.granularity == Granularity.TENSORWISE for k in (plan.dgrad, plan.wgrad))
 
 
 def prior_amax_by_operand(plan: SitePlan, prior_amax: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -49,7 +49,8 @@ class DelayedInputAmax:
     larger than all earlier ones saturates as a growing input does in training; the first draw
     (a run's first call) uses its own. The other operands keep their own amax: a weight changes
     little from one step to the next, so its own amax stands for its history, and gradients are
-    always scaled by their current amax.
+    measured scaled by their current amax (``dispatch.grad_scaling="delayed"``, opt-in, is not
+    judged here yet).
     """
 
     _INPUT_OPERAND = {GemmRole.FORWARD: 0, GemmRole.GRAD_WEIGHT: 1}
