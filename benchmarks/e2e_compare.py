@@ -90,10 +90,12 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   calls, so its cast needs no reduction over ``dy`` first); ``loka_compile_default_loose_gates`` (not in the default list): that
   with the accuracy gates loosened (``dispatch.max_mere=0.5``, ``dispatch.min_grad_sqnr_db=10``),
   to measure what the gates cost in speed and save in NE; ``loka`` (not in the default list): the same, eager;
-* ``loka_compile_default_replay`` (not in the default list): the plan in ``--replay-plan`` (a
-  ``dispatch_plan.json`` that a ``loka_compile_default`` run of the same recipe and world size wrote)
-  replayed with ``loka.dispatch.mode=pinned``, Mods on, no Probe, compiled: the chosen plan's steady
-  state without the planning steps, so that repeated pairs (A B B A) fit in one call;
+* ``loka_compile_default_replay`` (not in the default list): a plan replayed with
+  ``loka.dispatch.mode=pinned``, Mods on, no Probe, compiled: the chosen plan's steady state without
+  the planning steps, so that repeated pairs (A B B A) cost a full LoKA run once. The plan is
+  ``--replay-plan`` (a ``dispatch_plan.json`` that a ``loka_compile_default`` run of the same recipe
+  and world size wrote), else the one this call's ``loka_compile_default`` run of the same recipe and
+  seed wrote (listed before the replays; a replay is skipped, with the reason, if it wrote none);
 * ``loka_comms_off``: ``loka`` with fp32 embedding comms set explicitly, no timing (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list); ``loka_dmpc2_compile_default``
@@ -234,7 +236,8 @@ _LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
 # LoKA as a user switches it on in an existing job (LokaConfig(enabled=True)): the model unchanged.
 _LOKA_NOMODS = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=none")
 _PLAIN = ("loka.enabled=false",)
-# A plan written by a LoKA run, loaded as it is (the path comes from --replay-plan).
+# A plan written by a LoKA run, loaded as it is: --replay-plan, else the plan this run wrote in the same call.
+PLAN_SOURCE_RUN = "loka_compile_default"
 _LOKA_REPLAY = ("loka.enabled=true", "loka.probe.enabled=false", "loka.mods.preset=all", "loka.dispatch.mode=pinned")
 # The probe steps' saved activations in pinned host memory (the eager steps' peak GPU memory).
 _OFFLOAD = "loka.probe.offload_activations=true"
@@ -354,6 +357,19 @@ def probes(spec: RunSpec) -> bool:
     return "loka.probe.enabled=true" in spec.overrides
 
 
+def replays_a_plan(run: str) -> bool:
+    """Whether ``run`` pins a plan an earlier LoKA run wrote (``loka_compile_default_replay``, its repeats)."""
+    return _is_run(run) and "loka.dispatch.mode=pinned" in run_spec(run).overrides
+
+
+def replay_plan(args: argparse.Namespace, recipe: str, seed: int) -> str:
+    """The plan a replay run pins: ``--replay-plan``, else the one that this call's
+    :data:`PLAN_SOURCE_RUN` run of the same recipe and seed wrote (``args.runs_root``)."""
+    if args.replay_plan is not None:
+        return args.replay_plan
+    return os.path.join(args.runs_root, recipe, PLAN_SOURCE_RUN, f"seed{seed}", "dispatch_plan.json")
+
+
 def without_mods(run: str) -> bool:
     """Whether ``run`` is LoKA on the user's model unchanged (``loka.mods.preset=none``): its same
     architecture in bf16 is :data:`NOMODS_REFERENCES`, not the Mods' ``bf16_compile*``."""
@@ -455,7 +471,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], help="an extra Hydra override for every run (repeatable)")
     p.add_argument(
         "--replay-plan", default=None, metavar="JSON",
-        help="the dispatch_plan.json that loka_compile_default_replay runs pin (one recipe's plan)",
+        help="the dispatch_plan.json that loka_compile_default_replay runs pin (one recipe's plan); default: the plan "
+        "this call's loka_compile_default run wrote, when it is listed before them",
     )  # fmt: skip
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--max-seconds", type=float, default=5400.0, help="overall deadline in seconds; later runs are not started")
@@ -478,9 +495,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         retired = [r for r in unknown if r in _RETIRED_RUNS]
         hint = f" ({', '.join(retired)}: retired with the hand-written CUDA graphs; see {', '.join(_RETIRED_RUNS[r] for r in retired)})" if retired else ""
         p.error(f"--runs: unknown run(s) {unknown}; choose from {', '.join(RUNS)} (a repeat: <run>@2, @3, ...){hint}")
-    replays = [r for r in args.runs + args.one_seed_runs if _is_run(r) and "loka.dispatch.mode=pinned" in run_spec(r).overrides]
+    replays = [r for r in args.runs + args.one_seed_runs if replays_a_plan(r)]
     if replays and args.replay_plan is None:
-        p.error(f"--replay-plan: required by {', '.join(replays)} (the dispatch_plan.json of an earlier LoKA run)")
+        first = min(args.runs.index(r) if r in args.runs else len(args.runs) for r in replays)
+        if PLAN_SOURCE_RUN not in args.runs[:first]:
+            p.error(
+                f"--replay-plan: required by {', '.join(replays)} (the dispatch_plan.json of an earlier LoKA run), "
+                f"unless {PLAN_SOURCE_RUN} comes before them in --runs (its plan in this call is then replayed)"
+            )
     if args.replay_plan is not None:
         if not os.path.isfile(args.replay_plan):
             p.error(f"--replay-plan: expected a dispatch_plan.json, got {args.replay_plan!r} (no such file)")
@@ -552,8 +574,8 @@ def run_overrides(args: argparse.Namespace, recipe: str, spec: RunSpec, seed: in
         overrides.append(f"loka.probe.warmup_steps={args.probe_warmup}")
     if args.torchao_auto_filter and spec.name in _TORCHAO_FILTERABLE:
         overrides.append("baseline.auto_filter=true")
-    if "loka.dispatch.mode=pinned" in spec.overrides:
-        overrides.append(f"loka.dispatch.plan_path={args.replay_plan}")
+    if replays_a_plan(spec.name):
+        overrides.append(f"loka.dispatch.plan_path={replay_plan(args, recipe, seed)}")
     overrides += [
         f"seed={seed}",
         f"train.steps={args.steps}",
@@ -1657,6 +1679,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)  # the plot is written before the .json and .md
     base = os.path.join(args.out, f"{today}-{args.name}")
     runs_dir = os.path.abspath(args.runs_dir or f"{base}-runs")
+    args.runs_root = runs_dir  # where a replay run finds the plan of this call's LoKA run
     argv_list = list(argv) if argv is not None else sys.argv[1:]
     meta: Dict[str, Any] = {
         "date": today,
@@ -1687,6 +1710,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = os.path.join(runs_dir, recipe, name, f"seed{seed}")
         base_record = {"recipe": recipe, "run": name, "seed": seed, "run_dir": run_dir}
         reason = preflight(args, spec)
+        if reason is None and replays_a_plan(name) and not os.path.isfile(replay_plan(args, recipe, seed)):
+            reason = f"no plan to replay: this call's {PLAN_SOURCE_RUN} run of {recipe}, seed {seed}, wrote none"
         left = deadline - time.perf_counter()
         if reason is not None:
             record = dict(base_record, status="skipped", reason=reason)

@@ -713,6 +713,7 @@ def test_a_replay_run_pins_the_plan_it_is_given_and_refuses_to_run_without_one(t
     assert args.window_start == 100  # no run plans: the second half is timed
     for bad, expected in (
         (["--runs", "loka_compile_default_replay"], "--replay-plan: required by loka_compile_default_replay"),
+        (["--runs", "loka_compile_default_replay,loka_compile_default", "--steps", "600"], "unless loka_compile_default comes before"),
         (["--runs", "loka_compile_default_replay", "--replay-plan", str(tmp_path / "none.json")], "no such file"),
         (["--recipes", "dhen_xl,dcnv2_large", "--runs", "loka_compile_default_replay", "--replay-plan", str(plan)], "one plan fits one model"),
     ):
@@ -735,3 +736,34 @@ def test_the_repeated_runs_section_gives_each_configurations_spread_and_mean_rat
     assert "| r | 0 | loka_compile_default_replay (2) | plain_compile (2) | 1.338x | 1.323x - 1.353x |" in text
     assert "| r | 0 | loka_compile_default_replay (2) | bf16_compile (1) | 1.274x | 1.263x - 1.285x |" in text
     assert e2e.repeats_section([_rec("plain_compile", 0, 1.0), _rec("loka_compile", 0, 1.0)], ["r"]) == []
+
+
+def test_without_a_plan_file_a_replay_pins_the_plan_of_this_calls_loka_run(tmp_path, monkeypatch, capsys):
+    """One command for the pairs: the call's ``loka_compile_default`` run plans, and the replays after
+    it pin the plan it wrote (per recipe and seed); a replay whose plan is missing is skipped, with why."""
+    e2e = _driver()
+    monkeypatch.setattr(e2e, "job_has_compile_option", lambda: True)
+    monkeypatch.setattr(e2e, "write_report", lambda *a, **k: None)
+    launched = []
+
+    def fake_launch(args, recipe, spec, seed, run_dir, timeout):
+        overrides = e2e.run_overrides(args, recipe, spec, seed)
+        launched.append((recipe, spec.name, [o for o in overrides if o.startswith("loka.dispatch.plan_path=")]))
+        if spec.name == "loka_compile_default" and recipe == "dhen_xl":  # only this one writes a plan
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "dispatch_plan.json"), "w") as f:
+                f.write("{}")
+        return {"recipe": recipe, "run": spec.name, "seed": seed, "status": "ok", "run_dir": run_dir}
+
+    monkeypatch.setattr(e2e, "launch", fake_launch)
+    runs = "loka_compile_default,plain_compile,loka_compile_default_replay,loka_compile_default_replay@2,plain_compile@2"
+    assert e2e.main(["--recipes", "dhen_xl,dcnv2_large", "--runs", runs, "--seeds", "0", "--steps", "600",
+                     "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0  # fmt: skip
+    plan = str(tmp_path / "runs" / "dhen_xl" / "loka_compile_default" / "seed0" / "dispatch_plan.json")
+    replays = [(recipe, name, paths) for recipe, name, paths in launched if "replay" in name]
+    assert replays == [("dhen_xl", "loka_compile_default_replay", [f"loka.dispatch.plan_path={plan}"]),
+                       ("dhen_xl", "loka_compile_default_replay@2", [f"loka.dispatch.plan_path={plan}"])]  # fmt: skip
+    assert [name for recipe, name, _ in launched if recipe == "dcnv2_large"] == ["loka_compile_default", "plain_compile", "plain_compile@2"]
+    out = capsys.readouterr().out
+    assert ("dcnv2_large / loka_compile_default_replay / seed 0: skipped (no plan to replay: this call's "
+            "loka_compile_default run of dcnv2_large, seed 0, wrote none)") in out  # fmt: skip
