@@ -224,6 +224,12 @@ class EvidenceConsumer:
         return "current"
 
     @property
+    def grad_scaling(self) -> str:
+        """How training scales the layers' FP8 output-gradient operands, ``"current"`` or
+        ``"delayed"``; the Probe measures errors so. Default: ``"current"``."""
+        return "current"
+
+    @property
     def grad_format(self) -> str:
         """FP8 format of the gradient operands; the Probe times the candidates with it. Default: ``"e4m3"``."""
         return "e4m3"

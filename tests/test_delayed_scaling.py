@@ -23,7 +23,7 @@ from loka_torchrec.evidence import GemmRole, GemmShape, KernelChoice
 from loka_torchrec.fp8 import Fp8Format, quantize, tensor_amax
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.candidates import CandidateRun, resolve_candidate
-from loka_torchrec.gemm.measure import DelayedInputAmax, error_samples
+from loka_torchrec.gemm.measure import DelayedOperandAmax, error_samples
 from loka_torchrec.gemm.recipes import recipe_for
 from loka_torchrec.probe.quantify import LayerSnapshot, quantify_errors
 from loka_torchrec.probe.reservoir import RowReservoir
@@ -225,16 +225,16 @@ def test_measured_draws_are_scaled_by_the_draws_before_them():
     amax of the earlier draws, the first its own; every other operand, and current scaling, none."""
     draws = [torch.full((2, 4), v) for v in (1.0, 3.0, 2.0, 5.0)]
     other = torch.ones(3, 4)
-    fwd = DelayedInputAmax(GemmRole.FORWARD, "delayed")
+    fwd = DelayedOperandAmax(GemmRole.FORWARD, "delayed")
     assert [float(fwd(x, other)[0]) for x in draws] == [1.0, 1.0, 3.0, 3.0]
-    wgrad = DelayedInputAmax(GemmRole.GRAD_WEIGHT, "delayed")
+    wgrad = DelayedOperandAmax(GemmRole.GRAD_WEIGHT, "delayed")
     given = [wgrad(other, x.t()) for x in draws]
     assert [g[0] for g in given] == [None] * 4 and [float(g[1]) for g in given] == [1.0, 1.0, 3.0, 3.0]
     for role, scaling in ((GemmRole.GRAD_INPUT, "delayed"), (GemmRole.FORWARD, "current")):
-        amaxes = DelayedInputAmax(role, scaling)
+        amaxes = DelayedOperandAmax(role, scaling)
         assert all(amaxes(x, other) == (None, None) for x in draws)
     with pytest.raises(ValueError, match="forward_scaling"):
-        DelayedInputAmax(GemmRole.FORWARD, "lazy")
+        DelayedOperandAmax(GemmRole.FORWARD, "lazy")
     # Random evidence's error samples, in order: a grown second input saturates under delayed scaling.
     torch.manual_seed(10)
     w = torch.randn(16, 64) / 8
@@ -472,3 +472,55 @@ def test_grad_scaling_is_configured_checked_and_left_alone_by_checks():
     assert report.dispatcher.grad_scaling_events() == {"saturated": 0, "nonfinite": 0}
     eager = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", grad_scaling="delayed"))
     assert all(s.grad_scaling == "current" for s in sites) and eager.dispatcher.grad_scaling == "current"
+
+
+def test_measured_gradient_draws_are_scaled_by_the_draws_before_them():
+    """Under delayed gradient scaling the output gradient's operand (dgrad ``A`` = ``dy``, wgrad
+    ``A`` = ``dy^T``) of each draw gets the largest amax of the earlier draws, as training's backward
+    does; with both delayed, grad-weight's two operands each keep their own record."""
+    draws = [torch.full((2, 4), v) for v in (1.0, 3.0, 2.0, 5.0)]
+    other = torch.ones(3, 4)
+    dgrad = DelayedOperandAmax(GemmRole.GRAD_INPUT, "current", "delayed")
+    given = [dgrad(dy, other) for dy in draws]
+    assert [float(g[0]) for g in given] == [1.0, 1.0, 3.0, 3.0] and all(g[1] is None for g in given)
+    both = DelayedOperandAmax(GemmRole.GRAD_WEIGHT, "delayed", "delayed")
+    given = [both(dy, 2 * dy) for dy in draws]
+    assert [(float(a), float(b)) for a, b in given] == [(1.0, 2.0), (1.0, 2.0), (3.0, 6.0), (3.0, 6.0)]
+    assert DelayedOperandAmax(GemmRole.FORWARD, "current", "delayed")(draws[0], other) == (None, None)
+    assert not DelayedOperandAmax(GemmRole.FORWARD, "current", "delayed").delayed
+    with pytest.raises(ValueError, match="grad_scaling"):
+        DelayedOperandAmax(GemmRole.GRAD_INPUT, "current", "lazy")
+    # Error samples in order: a grown second dy saturates under delayed gradient scaling.
+    torch.manual_seed(11)
+    w_t = (torch.randn(16, 64) / 8).t().contiguous()  # dgrad's B: W^T, (in, out)
+    pairs = [(torch.randn(32, 16), w_t), (torch.randn(32, 16) * 16, w_t)]
+    errors = {
+        scaling: error_samples(KernelChoice("scaled_mm", "tensorwise"), GemmRole.GRAD_INPUT, pairs, grad_format=E4M3,
+                               grad_scaling=scaling)  # fmt: skip
+        for scaling in ("current", "delayed")
+    }
+    assert errors["delayed"][0] == errors["current"][0] and errors["delayed"][1] > 5 * errors["current"][1], errors
+
+
+def test_the_probe_and_random_evidence_measure_the_gradient_scaling_training_uses(monkeypatch):
+    """Dispatch tells the Probe how its layers scale ``dy`` (``EvidenceConsumer.grad_scaling``), and
+    its random evidence samples errors so."""
+    from loka_torchrec.dispatch import random_evidence
+    from loka_torchrec.evidence import EvidenceConsumer
+
+    assert EvidenceConsumer().grad_scaling == "current"
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+    report = loka_torchrec.apply(model, DispatchConfig(grad_scaling="delayed", compiled=True, evidence="random"))
+    assert report.dispatcher.grad_scaling == "delayed"
+    seen = []
+    real = random_evidence.error_samples
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("forward_scaling"), kwargs.get("grad_scaling")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(random_evidence, "error_samples", spy)
+    with torch.no_grad():
+        model(torch.randn(8, 32))
+    report.dispatcher.measure_random(seed=1)
+    assert seen and set(seen) == {("delayed", "delayed")}

@@ -100,9 +100,10 @@ class DispatchConfig:
             amax, so the compiled backward reads ``dy`` twice, amax then cast) or ``"delayed"``
             (the largest amax of the layer's last 16 backward calls, recorded by the backward
             itself, so that Inductor can fuse the cast into ``dy``'s producer; values beyond it
-            saturate, and the calls that saturated are counted, ``GemmSite.grad_events``). Eager
-            layers scale ``dy`` by its current amax either way. Not yet judged by the Probe's
-            error evidence, which measures gradients with current scaling: opt-in.
+            saturate, and the calls that saturated are counted, ``GemmSite.grad_scaling_events``).
+            Eager layers scale ``dy`` by its current amax either way. The Probe's error evidence
+            and random evidence scale each ``dy`` draw by the draws before it, as training does.
+            Opt-in until measured on a GPU.
     """
 
     mode: str = "policy"

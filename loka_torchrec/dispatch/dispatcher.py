@@ -483,6 +483,7 @@ class Dispatcher(EvidenceConsumer):
             seed=seed,
             device_time=self.times_in_graphs,
             forward_scaling=self.forward_scaling,
+            grad_scaling=self.grad_scaling,
         )
 
     @property

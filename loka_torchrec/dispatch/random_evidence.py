@@ -45,6 +45,7 @@ def measure_random_evidence(
     seed: int = 0,
     device_time: bool = False,
     forward_scaling: str = "current",
+    grad_scaling: str = "current",
 ) -> List[CandidateEvidence]:
     """Evidence for every layer, role and candidate (see the module docstring).
 
@@ -60,7 +61,8 @@ def measure_random_evidence(
             :func:`~loka_torchrec.gemm.measure.time_ms`).
         forward_scaling: how training scales the layer input's FP8 operand (``"delayed"``: each
             error sample by the largest amax of the samples before it;
-            :class:`~loka_torchrec.gemm.measure.DelayedInputAmax`).
+            :class:`~loka_torchrec.gemm.measure.DelayedOperandAmax`).
+        grad_scaling: the same for the output gradient's FP8 operand.
     """
     generator = torch.Generator().manual_seed(seed)
     evidence: List[CandidateEvidence] = []
@@ -87,7 +89,9 @@ def measure_random_evidence(
             for choice in fp8_choices:
                 note = ""
                 try:
-                    error = mean_interval(error_samples(choice, role, pairs, grad_format=grad_format, forward_scaling=forward_scaling))
+                    error = mean_interval(error_samples(
+                        choice, role, pairs, grad_format=grad_format, forward_scaling=forward_scaling, grad_scaling=grad_scaling
+                    ))
                     timing = time_ms(
                         lambda: run_role_gemm(choice, role, full_a, full_b, grad_format=grad_format, out_dtype=weight.dtype),
                         reps=reps, device=device, device_time=device_time,

@@ -19,7 +19,7 @@ from loka_torchrec.fp8 import Fp8Format, mere, tensor_amax
 from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
 from loka_torchrec.gemm.intervals import iqr_interval
 
-__all__ = ["DelayedInputAmax", "call_times_ms", "excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
+__all__ = ["DelayedOperandAmax", "call_times_ms", "excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,36 +39,50 @@ def role_operands(role: GemmRole, x: torch.Tensor, weight: torch.Tensor, grad_ou
     return grad_out.t(), x.t()
 
 
-class DelayedInputAmax:
+class DelayedOperandAmax:
     """The amaxes that scale successive draws of one role's operands as training scales them.
 
-    Under ``"current"`` forward scaling every operand is scaled by its own amax: ``(None, None)``.
-    Under ``"delayed"`` (a compiled ``LokaLinear``) the operand that is the layer's input, ``x``
+    Under ``"current"`` scaling every operand is scaled by its own amax: ``(None, None)``. Under
+    ``"delayed"`` forward scaling (a compiled layer) the operand that is the layer's input, ``x``
     (the forward's ``A``) or ``x^T`` (grad-weight's ``B``), is scaled by the largest amax of the
     draws before it, as a compiled call is by the calls before it, so a draw whose input is
     larger than all earlier ones saturates as a growing input does in training; the first draw
-    (a run's first call) uses its own. The other operands keep their own amax: a weight changes
-    little from one step to the next, so its own amax stands for its history, and gradients are
-    measured scaled by their current amax (``dispatch.grad_scaling="delayed"``, opt-in, is not
-    judged here yet).
+    (a run's first call) uses its own. Under ``"delayed"`` gradient scaling the operand that is
+    the layer's output gradient, ``dy`` (grad-input's ``A``) or ``dy^T`` (grad-weight's ``A``), is
+    scaled the same way. The weight keeps its own amax: it changes little from one step to the
+    next, so its own amax stands for its history.
     """
 
     _INPUT_OPERAND = {GemmRole.FORWARD: 0, GemmRole.GRAD_WEIGHT: 1}
+    _GRAD_OPERAND = {GemmRole.GRAD_INPUT: 0, GemmRole.GRAD_WEIGHT: 0}
 
-    def __init__(self, role: GemmRole, forward_scaling: str) -> None:
-        if forward_scaling not in FORWARD_SCALINGS:
-            raise ValueError(f"forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {forward_scaling!r}")
-        self._slot = self._INPUT_OPERAND.get(GemmRole(role)) if forward_scaling == "delayed" else None
-        self._largest: Optional[torch.Tensor] = None
+    def __init__(self, role: GemmRole, forward_scaling: str, grad_scaling: str = "current") -> None:
+        for field, value in (("forward_scaling", forward_scaling), ("grad_scaling", grad_scaling)):
+            if value not in FORWARD_SCALINGS:
+                raise ValueError(f"{field}: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+        role = GemmRole(role)
+        slots = set()
+        if forward_scaling == "delayed" and role in self._INPUT_OPERAND:
+            slots.add(self._INPUT_OPERAND[role])
+        if grad_scaling == "delayed" and role in self._GRAD_OPERAND:
+            slots.add(self._GRAD_OPERAND[role])
+        self._slots = sorted(slots)
+        self._largest: List[Optional[torch.Tensor]] = [None, None]
+
+    @property
+    def delayed(self) -> bool:
+        """Whether any operand of this role is scaled by earlier draws (the draws' order then matters)."""
+        return bool(self._slots)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The amaxes for the next draw ``(A, B)`` (``None``: its own), and that draw recorded."""
-        if self._slot is None:
-            return None, None
-        own = tensor_amax((a, b)[self._slot].detach()).float()
-        given = own if self._largest is None else self._largest
-        self._largest = own if self._largest is None else torch.fmax(self._largest, own)
-        return (given, None) if self._slot == 0 else (None, given)
+        given: List[Optional[torch.Tensor]] = [None, None]
+        for slot in self._slots:
+            own = tensor_amax((a, b)[slot].detach()).float()
+            largest = self._largest[slot]
+            given[slot] = own if largest is None else largest
+            self._largest[slot] = own if largest is None else torch.fmax(largest, own)
+        return given[0], given[1]
 
 
 def run_role_gemm(
@@ -95,12 +109,13 @@ def excluded_note(exc: BaseException) -> str:
 
 
 def error_samples(
-    choice: KernelChoice, role: GemmRole, pairs: Sequence, *, grad_format: Fp8Format, forward_scaling: str = "current"
+    choice: KernelChoice, role: GemmRole, pairs: Sequence, *, grad_format: Fp8Format, forward_scaling: str = "current",
+    grad_scaling: str = "current",
 ) -> List[float]:
     """MERE of ``choice`` against a float64 reference for each ``(A, B)`` pair, in order, scaled
-    as ``forward_scaling`` scales training's operands (:class:`DelayedInputAmax`)."""
+    as ``forward_scaling`` and ``grad_scaling`` scale training's operands (:class:`DelayedOperandAmax`)."""
     out = []
-    amaxes = DelayedInputAmax(role, forward_scaling)
+    amaxes = DelayedOperandAmax(role, forward_scaling, grad_scaling)
     for a, b in pairs:
         ref = a.double() @ b.double().t()
         got = run_role_gemm(choice, role, a, b, grad_format=grad_format, amax=amaxes(a, b))

@@ -45,6 +45,7 @@ def evaluate_layer(
     seed: int = 0,
     seconds: Optional[Dict[str, float]] = None,
     forward_scaling: str = "current",
+    grad_scaling: str = "current",
 ) -> Tuple[List[CandidateEvidence], List[Dict[str, Any]]]:
     """Evidence for every candidate of every role of one layer, and the detail records for the log.
 
@@ -59,6 +60,7 @@ def evaluate_layer(
             its ``"error"`` and ``"speed"`` entries (both end in a device synchronization).
         forward_scaling: how training scales the layer's FP8 input (the consumer's
             ``forward_scaling``); the errors are measured so (:func:`quantify_errors`).
+        grad_scaling: how training scales the layer's FP8 output gradient (the consumer's ``grad_scaling``).
 
     Returns:
         ``(evidence, details)``: one :class:`CandidateEvidence` per (role, candidate), and per
@@ -77,6 +79,7 @@ def evaluate_layer(
         dtype=dtype,
         grad_format=speed_cache.grad_format,
         forward_scaling=forward_scaling,
+        grad_scaling=grad_scaling,
     )
     t1 = time.perf_counter()
     timed_rows = draw_rows(snap.rows, max_rows)

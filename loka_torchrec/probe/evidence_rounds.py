@@ -142,7 +142,7 @@ class LayerEvaluator:
                 result = evaluate_layer(
                     snap, self.candidates(name), config=self._config, speed_cache=self.speed_cache,
                     seed=self._config.seed, seconds=parts,
-                    forward_scaling=self._training.forward_scaling,
+                    forward_scaling=self._training.forward_scaling, grad_scaling=self._training.grad_scaling,
                 )  # fmt: skip
             self._seconds["evaluate_error"] += parts.get("error", 0.0)
             self._seconds["evaluate_speed"] += parts.get("speed", 0.0)

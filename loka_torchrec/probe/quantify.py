@@ -37,7 +37,7 @@ Where training scales the layer's input by earlier calls' amax (``forward_scalin
 compiled ``LokaLinear``), so are the draws: the input's operand of each draw by the largest amax
 of the draws before it in the same measurement (captured chunks oldest batch first), so that an
 input larger than all before it saturates here as in training
-(:class:`~loka_torchrec.gemm.measure.DelayedInputAmax`).
+(:class:`~loka_torchrec.gemm.measure.DelayedOperandAmax`).
 
 Each draw's output is compared with a high-precision reference of the same operands (float64
 on the CPU, float32 with TF32 off on CUDA) by MERE and SQNR; the draws' mean comes with a
@@ -53,7 +53,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from loka_torchrec.gemm.measure import DelayedInputAmax, role_operands
+from loka_torchrec.gemm.measure import DelayedOperandAmax, role_operands
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.fp8 import Fp8Format
 from loka_torchrec.fp8.error_metrics import mere_tensor, noise_and_signal, sqnr_from_sums
@@ -277,7 +277,7 @@ def sampling_noise_power(x: torch.Tensor, dy: torch.Tensor, rows: int) -> float:
 
 
 def _measure(
-    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype, amaxes: DelayedInputAmax
+    operands: Iterator[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[CandidateRun], dtype: torch.dtype, amaxes: DelayedOperandAmax
 ) -> Tuple[Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, List[float]], Dict[KernelChoice, str]]:
     """Per candidate and draw: MERE, SQNR (dB) and the error's power ``|out - ref|_F^2``; and the
     failures. ``amaxes`` gives each draw's scaling amaxes (a fresh one per measurement)."""
@@ -346,6 +346,7 @@ def quantify_errors(
     dtype: Optional[torch.dtype] = None,
     grad_format: "Fp8Format | str" = Fp8Format.E4M3,
     forward_scaling: str = "current",
+    grad_scaling: str = "current",
 ) -> Dict[Tuple[GemmRole, KernelChoice], CandidateError]:
     """MERE and SQNR of every candidate for every role of one layer (see the module docstring).
 
@@ -359,6 +360,7 @@ def quantify_errors(
         grad_format: FP8 format of the gradient operands (as Dispatch's ``grad_format``).
         forward_scaling: ``"current"``, or ``"delayed"``: the input's operand scaled by earlier
             draws' amax (module docstring).
+        grad_scaling: the same for the output gradient's operand (``dy``, ``dy^T``).
 
     Returns:
         ``{(role, candidate): CandidateError}``; roles without gradient statistics get an
@@ -398,8 +400,8 @@ def quantify_errors(
                 runnable.append(run)
         if not runnable:
             continue
-        def scales() -> DelayedInputAmax:
-            return DelayedInputAmax(role, forward_scaling)
+        def scales() -> DelayedOperandAmax:
+            return DelayedOperandAmax(role, forward_scaling, grad_scaling)
 
         g_mere, g_sqnr, _, failures = _measure(_gaussian_operands(snap, models, role, rows, samples, seed), runnable, dtype, scales())
         wm_mere: Dict[KernelChoice, List[float]] = {}
@@ -408,7 +410,7 @@ def quantify_errors(
                 weight_draws = _weight_draws(snap, max(2, samples // 4), seed, device)
             wm_mere, _, _, _ = _measure(_gaussian_operands(snap, models, role, rows, samples, seed, weight_draws), runnable, dtype, scales())
         draws = _captured_draws(snap, role, rows, samples)
-        if forward_scaling == "delayed":  # in training order: each chunk scaled by the batches before it
+        if scales().delayed:  # in training order: each chunk scaled by the batches before it
             draws.operands.reverse()
             draws.batch.reverse()
         c_mere, c_sqnr, c_noise, _ = _measure(iter(draws.operands), runnable, dtype, scales())
