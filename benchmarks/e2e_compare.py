@@ -96,6 +96,8 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
   ``--replay-plan`` (a ``dispatch_plan.json`` that a ``loka_compile_default`` run of the same recipe
   and world size wrote), else the one this call's ``loka_compile_default`` run of the same recipe and
   seed wrote (listed before the replays; a replay is skipped, with the reason, if it wrote none);
+  ``loka_compile_default_replay_delayed_grads``: the same plan with ``dispatch.grad_scaling=delayed``,
+  so that the pair differs in how ``dy`` is scaled alone;
 * ``loka_comms_off``: ``loka`` with fp32 embedding comms set explicitly, no timing (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list); ``loka_dmpc2_compile_default``
@@ -321,6 +323,7 @@ RUNS: Dict[str, RunSpec] = {
         # LoKA's plan replayed (--replay-plan): the steady state of a plan an earlier run chose, with
         # no Probe and no planning, so that repeated pairs fit in one call.
         RunSpec("loka_compile_default_replay", _LOKA_REPLAY, compile="default"),
+        RunSpec("loka_compile_default_replay_delayed_grads", (*_LOKA_REPLAY, "loka.dispatch.grad_scaling=delayed"), compile="default"),
         RunSpec("loka_compile_default_auto_allreduce", (*_LOKA, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
     )
 }
