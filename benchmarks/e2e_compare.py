@@ -320,8 +320,9 @@ RUNS: Dict[str, RunSpec] = {
         # LoKA's run that also exports its dense modules for serving at the end and evaluates them
         # (train.export_serving): section "Serving what training ran".
         RunSpec("loka_compile_default_export", (*_LOKA, "train.export_serving=true"), compile="default"),
-        # LoKA's plan replayed (--replay-plan): the steady state of a plan an earlier run chose, with
-        # no Probe and no planning, so that repeated pairs fit in one call.
+        # LoKA's plan replayed (--replay-plan, else this call's loka_compile_default run's): the steady
+        # state of a plan an earlier run chose, with no Probe and no planning, so that repeated pairs
+        # cost one full LoKA run.
         RunSpec("loka_compile_default_replay", _LOKA_REPLAY, compile="default"),
         RunSpec("loka_compile_default_replay_delayed_grads", (*_LOKA_REPLAY, "loka.dispatch.grad_scaling=delayed"), compile="default"),
         RunSpec("loka_compile_default_auto_allreduce", (*_LOKA, *_AUTO_ALLREDUCE), compile="default", cuda_only=True),
