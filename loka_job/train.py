@@ -291,7 +291,10 @@ def format_summary(s: Dict[str, Any]) -> str:
             grads = loka.get("grad_scaling", "current")
             events = loka.get("grad_scaling_events") or {}
             if grads == "delayed":
-                grads += f" ({events.get('saturated', 0)} backward call(s) saturated, {events.get('nonfinite', 0)} non-finite)"
+                grads += (
+                    f" ({events.get('saturated', 0)} of {events.get('calls', 0)} backward calls saturated, "
+                    f"{events.get('nonfinite', 0)} non-finite)"
+                )
             lines.append(f"FP8 scaling      forward inputs and weights: {loka['forward_scaling']}; gradients: {grads}")
         if loka.get("comms"):
             lines.append(f"embedding comms  {loka['comms']}")

@@ -420,7 +420,7 @@ def test_delayed_gradients_scale_by_the_history_record_it_and_count_saturation()
     history = layers["delayed"]._grad_amax_history
     assert history[:3].tolist() == [float(tensor_amax(dy))] * 3 and float(history[3:].abs().sum()) == 0.0
     assert layers["current"]._grad_amax_history.abs().sum() == 0  # current scaling records nothing
-    assert layers["delayed"].grad_scaling_events() == {"saturated": 0, "nonfinite": 0}
+    assert layers["delayed"].grad_scaling_events() == {"calls": 3, "saturated": 0, "nonfinite": 0}
     assert counter.frame_count == 2  # the seeding call, then the delayed graph
     grown = dy.clone()
     grown[0] *= 10.0
@@ -428,7 +428,7 @@ def test_delayed_gradients_scale_by_the_history_record_it_and_count_saturation()
     assert not torch.allclose(clipped["delayed"][0][0], clipped["current"][0][0], rtol=0.05)  # its row saturated
     # the other rows keep the scale they had: dx's rows are those of the unchanged dy's
     torch.testing.assert_close(clipped["delayed"][0][1:], same["delayed"][0][1:], rtol=0, atol=0)
-    assert layers["delayed"].grad_scaling_events() == {"saturated": 1, "nonfinite": 0}
+    assert layers["delayed"].grad_scaling_events() == {"calls": 4, "saturated": 1, "nonfinite": 0}
     assert float(history[0]) == float(tensor_amax(grown))  # recorded: the next call scales by it
     assert counter.frame_count == 2
     torch._dynamo.reset()
@@ -469,7 +469,7 @@ def test_grad_scaling_is_configured_checked_and_left_alone_by_checks():
     with compiled_scaling(sites):
         model(torch.randn(4, 32)).sum().backward()
     assert all(float(s._grad_amax_history.abs().sum()) == 0 for s in sites)
-    assert report.dispatcher.grad_scaling_events() == {"saturated": 0, "nonfinite": 0}
+    assert report.dispatcher.grad_scaling_events() == {"calls": 0, "saturated": 0, "nonfinite": 0}
     eager = loka_torchrec.apply(model, DispatchConfig(mode="all:scaled_mm:tensorwise", grad_scaling="delayed"))
     assert all(s.grad_scaling == "current" for s in sites) and eager.dispatcher.grad_scaling == "current"
 

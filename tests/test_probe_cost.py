@@ -85,6 +85,9 @@ def test_the_printed_run_summary_reports_the_layer_check_and_the_probe_cost():
     text = format_summary(summary)
     assert "kept FP8 in 1 of 2 planned FP8 layers" in text
     assert "FP8 scaling      forward inputs and weights: delayed; gradients: current" in text
+    summary["loka"].update(grad_scaling="delayed", grad_scaling_events={"calls": 80, "saturated": 14, "nonfinite": 0})
+    assert ("FP8 scaling      forward inputs and weights: delayed; gradients: delayed "
+            "(14 of 80 backward calls saturated, 0 non-finite)") in format_summary(summary)  # fmt: skip
     cost = summary["probe_cost"]
     assert f"{100 * cost['measured_share']:.2f}% of this run's step time" in text
     assert f"projected {100 * cost['projected_share']:.2f}% of a 10,000-step run, monitoring every 50 steps" in text

@@ -122,9 +122,10 @@ class Dispatcher(EvidenceConsumer):
         return self.config.site_grad_scaling
 
     def grad_scaling_events(self) -> Dict[str, int]:
-        """Over this rank's layers, the backward calls whose ``dy`` saturated against its delayed
-        amax or held inf/NaN (:meth:`GemmSite.grad_scaling_events`; zeros under current scaling)."""
-        totals = {"saturated": 0, "nonfinite": 0}
+        """Over this rank's layers, the backward calls that recorded ``dy``'s amax, and those whose
+        ``dy`` saturated against its delayed amax or held inf/NaN (:meth:`GemmSite.grad_scaling_events`;
+        zeros under current scaling)."""
+        totals = {"calls": 0, "saturated": 0, "nonfinite": 0}
         for site in self._layers.values():
             for key, count in site.grad_scaling_events().items():
                 totals[key] += count

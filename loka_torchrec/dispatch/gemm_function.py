@@ -41,13 +41,13 @@ class KeptActivation(enum.Enum):
 def record_grad_amax(history: torch.Tensor, events: torch.Tensor, dy2d: torch.Tensor, *, delayed: bool) -> None:
     """Push ``dy``'s amax onto a site's ``dy`` history (newest first; a non-finite amax repeats the
     newest entry, so one step's inf sets no later scale) and count the call in ``events``: ``[0]``
-    where ``dy`` went beyond the delayed amax that scaled it (``delayed``: it saturated), ``[1]``
-    where ``dy`` held inf or NaN. Both are written in place by the backward; compiled, AOTAutograd
+    every call, ``[1]`` where ``dy`` went beyond the delayed amax that scaled it (``delayed``: it
+    saturated), ``[2]`` where ``dy`` held inf or NaN. Both are written in place by the backward; compiled, AOTAutograd
     keeps such writes of forward inputs in the backward graph."""
     observed = tensor_amax(dy2d.detach()).to(history.dtype)
     finite = torch.isfinite(observed)
     saturated = (observed > history.amax()) & finite if delayed else torch.zeros_like(finite)
-    events.copy_(events + torch.stack([saturated, ~finite]).to(events.dtype))
+    events.copy_(events + torch.stack([torch.ones_like(finite), saturated, ~finite]).to(events.dtype))
     history.copy_(torch.cat([torch.where(finite, observed, history[0]).reshape(1), history[:-1]]))
 
 

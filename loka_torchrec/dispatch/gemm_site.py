@@ -135,9 +135,9 @@ class GemmSite(nn.Module):
         self.register_buffer("_nonfinite_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         # Row 0: the input's amax per call, row 1: the weight's; column 0 the newest.
         self.register_buffer("_amax_history", torch.zeros(2, AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
-        # The backward's dy amaxes, newest first, and its event counts (saturated, non-finite): grad_scaling.
+        # The backward's dy amaxes, newest first, and its counts (calls recorded, saturated, non-finite): grad_scaling.
         self.register_buffer("_grad_amax_history", torch.zeros(AMAX_HISTORY, dtype=torch.float32, device=device), persistent=False)
-        self.register_buffer("_grad_events", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("_grad_events", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
 
     # ----------------------------------------------------------------------------- kernels
     @property
@@ -319,10 +319,11 @@ class GemmSite(nn.Module):
         return self._grad_amax_history, self._grad_events, delayed, record
 
     def grad_scaling_events(self) -> Dict[str, int]:
-        """Backward calls whose ``dy`` went beyond its delayed amax (``saturated``: its largest values
-        were clipped to the format's maximum) or held inf/NaN (``nonfinite``), since the layer was made."""
-        saturated, nonfinite = self._grad_events.tolist()
-        return {"saturated": saturated, "nonfinite": nonfinite}
+        """Since the layer was made: the backward calls that recorded ``dy``'s amax (``calls``), those
+        whose ``dy`` went beyond its delayed amax (``saturated``: its largest values were clipped to
+        the format's maximum) and those whose ``dy`` held inf/NaN (``nonfinite``)."""
+        calls, saturated, nonfinite = self._grad_events.tolist()
+        return {"calls": calls, "saturated": saturated, "nonfinite": nonfinite}
 
     def _record_amax(self, x2d: torch.Tensor, weight: torch.Tensor, slots: Tuple[bool, bool]) -> torch.Tensor:
         """Push this call's amax of the input and the weight (where ``slots`` says; the newest entry
