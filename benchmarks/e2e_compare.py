@@ -1495,11 +1495,13 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
         reference = (with_mods or mine)[0]["speed_reference"] if mine else {}
         user_reference = mine[0].get("user_job_reference", {}) if mine else {}
         nomods = next((r["speed_reference"] for r in mine if r.get("speed_reference_without_mods")), None)
+        replayed = sorted({(r["seed"], r["replay_plan"]) for r in records if r["recipe"] == recipe and r.get("replay_plan")})
         lines += [
             f"## {recipe}",
             "",
             f"User's job: {reference_words(user_reference)}. Same architecture in bf16: {reference_words(reference)}."
-            + (f" For LoKA's runs without Mods (the user's model): {reference_words(nomods)}." if nomods else ""),
+            + (f" For LoKA's runs without Mods (the user's model): {reference_words(nomods)}." if nomods else "")
+            + "".join(f" The replay runs of seed {seed} pinned `{plan}`." for seed, plan in replayed),
             "",
             "| run | compile | status | step ms median [p10, p90], mean | vs user's job + compile | vs same-arch bf16 + compile "
             "| vs eager bf16 | QPS | peak GiB (timed window) | eval NE | eval AUC | NE vs bf16 % [min, max] | NE spread % | FP8 | comms |" + extra_head,
@@ -1714,8 +1716,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = os.path.join(runs_dir, recipe, name, f"seed{seed}")
         base_record = {"recipe": recipe, "run": name, "seed": seed, "run_dir": run_dir}
         reason = preflight(args, spec)
-        if reason is None and replays_a_plan(name) and not os.path.isfile(replay_plan(args, recipe, seed)):
-            reason = f"no plan to replay: this call's {PLAN_SOURCE_RUN} run of {recipe}, seed {seed}, wrote none"
+        if replays_a_plan(name):
+            base_record["replay_plan"] = replay_plan(args, recipe, seed)
+            if reason is None and not os.path.isfile(base_record["replay_plan"]):
+                reason = f"no plan to replay: this call's {PLAN_SOURCE_RUN} run of {recipe}, seed {seed}, wrote none"
         left = deadline - time.perf_counter()
         if reason is not None:
             record = dict(base_record, status="skipped", reason=reason)
@@ -1724,6 +1728,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             print(f"[e2e] {recipe} / {name} / seed {seed} ...", flush=True)
             record = launch(args, recipe, spec, seed, run_dir, timeout=min(args.run_timeout, left))
+            if "replay_plan" in base_record:
+                record["replay_plan"] = base_record["replay_plan"]
         print(
             f"[e2e] {recipe} / {name} / seed {seed}: {record['status']}"
             + (f" ({record['reason']})" if record.get("reason") else "")

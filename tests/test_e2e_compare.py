@@ -743,7 +743,8 @@ def test_without_a_plan_file_a_replay_pins_the_plan_of_this_calls_loka_run(tmp_p
     it pin the plan it wrote (per recipe and seed); a replay whose plan is missing is skipped, with why."""
     e2e = _driver()
     monkeypatch.setattr(e2e, "job_has_compile_option", lambda: True)
-    monkeypatch.setattr(e2e, "write_report", lambda *a, **k: None)
+    reports = []
+    monkeypatch.setattr(e2e, "write_report", lambda base, meta, records, recipes, runs: reports.append(list(records)))
     launched = []
 
     def fake_launch(args, recipe, spec, seed, run_dir, timeout):
@@ -767,3 +768,13 @@ def test_without_a_plan_file_a_replay_pins_the_plan_of_this_calls_loka_run(tmp_p
     out = capsys.readouterr().out
     assert ("dcnv2_large / loka_compile_default_replay / seed 0: skipped (no plan to replay: this call's "
             "loka_compile_default run of dcnv2_large, seed 0, wrote none)") in out  # fmt: skip
+    # the report names the plan each replay pinned
+    records = reports[-1]
+    assert {r["replay_plan"] for r in records if r["recipe"] == "dhen_xl" and "replay" in r["run"]} == {plan}
+    meta = {"date": "d", "device": "cpu", "command": "c", "versions": {}, "seconds": 1.0,
+            "settings": {"recipes": ["dhen_xl"], "runs": runs.split(","), "seeds": [0], "steps": 600, "window_start": 500,
+                         "probe_warmup": 200, "nproc": 1, "device": "cpu", "autocast": "bf16", "override": []}}  # fmt: skip
+    for r in records:
+        r.setdefault("median_step_ms", 10.0)
+    text = e2e.to_markdown(meta, e2e.aggregate(records, ["dhen_xl"], runs.split(",")), records)
+    assert f"The replay runs of seed 0 pinned `{plan}`." in text
