@@ -67,6 +67,21 @@ def compiled_scaling(sites: Iterable["GemmSite"]) -> Iterator[None]:
             site._scaled_as_compiled = before
 
 
+def _scaling_setting(name: str, operands: str) -> property:
+    """A site's ``"current"`` / ``"delayed"`` setting ``name`` (stored as ``_<name>``), checked when set."""
+    slot = f"_{name}"
+
+    def get(self) -> str:
+        return getattr(self, slot)
+
+    def set(self, value: str) -> None:
+        if value not in FORWARD_SCALINGS:
+            raise ValueError(f"{name}: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+        setattr(self, slot, value)
+
+    return property(get, set, doc=f"``\"current\"`` or ``\"delayed\"``: what scales {operands} (class docstring).")
+
+
 class GemmSite(nn.Module):
     """One GEMM site: ``y = x W^T + b`` whose three GEMMs each run on their own kernel.
 
@@ -153,27 +168,8 @@ class GemmSite(nn.Module):
     def grad_format(self) -> Fp8Format:
         return self._grad_format
 
-    @property
-    def forward_scaling(self) -> str:
-        """``"current"`` or ``"delayed"``: what scales the forward's FP8 operands (class docstring)."""
-        return self._forward_scaling
-
-    @forward_scaling.setter
-    def forward_scaling(self, value: str) -> None:
-        if value not in FORWARD_SCALINGS:
-            raise ValueError(f"forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
-        self._forward_scaling = value
-
-    @property
-    def grad_scaling(self) -> str:
-        """``"current"`` or ``"delayed"``: what scales the backward's FP8 ``dy`` operands (class docstring)."""
-        return self._grad_scaling
-
-    @grad_scaling.setter
-    def grad_scaling(self, value: str) -> None:
-        if value not in FORWARD_SCALINGS:
-            raise ValueError(f"grad_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
-        self._grad_scaling = value
+    forward_scaling = _scaling_setting("forward_scaling", "the forward's FP8 operands")
+    grad_scaling = _scaling_setting("grad_scaling", "the backward's FP8 ``dy`` operands")
 
     @property
     def plan(self) -> SitePlan:
