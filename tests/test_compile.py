@@ -438,3 +438,38 @@ def test_every_forced_fp8_mode_compiles_whole_on_every_zoo_model(kind, recipe, t
     assert loka.dispatcher.in_force().fp8_gemm_count() > 0
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["interformer", "outside_wukong"])
+def test_delayed_gradient_scaling_compiles_whole_on_zoo_models_and_records_every_fp8_site(kind, tmp_path, monkeypatch):
+    """``dispatch.grad_scaling=delayed`` on zoo models (attention Parameters, an outside model's raw-Parameter
+    GEMMs), forced tensorwise, through ``prepare(compile="default")`` and ``loka.step``: no graph break,
+    every FP8 site whose forward ran recorded its ``dy`` amax in both steps (the buffer written in
+    the compiled backward reaches the module), and the gradients are finite."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(
+        fn, backend="aot_eager", fullgraph=kwargs.get("fullgraph", False), dynamic=kwargs.get("dynamic")))  # fmt: skip
+    model, batch = _small_recsys(kind)
+    config = loka_torchrec.LokaConfig.from_dict(
+        {"enabled": True, "probe": {"enabled": False}, "dispatch": {"mode": "all:scaled_mm:tensorwise", "grad_scaling": "delayed"}}
+    )
+    loka = loka_torchrec.prepare(model, config, run_dir=str(tmp_path), compile="default", device="cpu")
+    counters.clear()
+    for step in (1, 2):  # the seeding step, then the delayed graph
+        with loka.step(step):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(*batch)
+            logits.float().square().mean().backward()
+    loka.close()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    # The FP8 sites whose forward ran (it recorded its input's amax): a cross-attention's projections,
+    # whose GEMMs run in high precision, did not.
+    sites = [s for s in loka.dispatcher.managed_layers().values()
+             if float(s._amax_history.abs().sum()) > 0 and not s.kernels.for_role(GemmRole.GRAD_INPUT).is_high_precision]  # fmt: skip
+    assert len(sites) > 5 and loka.dispatcher.grad_scaling == "delayed"
+    for site in sites:
+        events = site.grad_scaling_events()
+        assert events["calls"] == 2 and events["nonfinite"] == 0, (site, events)
+        assert float(site._grad_amax_history[0]) > 0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
