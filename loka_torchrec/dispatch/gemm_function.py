@@ -38,15 +38,15 @@ class KeptActivation(enum.Enum):
     OPERAND = "operand"  # grad-weight's B operand x^T, quantized in the forward
 
 
-def record_grad_amax(history: torch.Tensor, events: torch.Tensor, dy2d: torch.Tensor, *, delayed: bool) -> None:
+def record_grad_amax(history: torch.Tensor, events: torch.Tensor, dy2d: torch.Tensor, prior: Optional[torch.Tensor]) -> None:
     """Push ``dy``'s amax onto a site's ``dy`` history (newest first; a non-finite amax repeats the
     newest entry, so one step's inf sets no later scale) and count the call in ``events``: ``[0]``
-    every call, ``[1]`` where ``dy`` went beyond the delayed amax that scaled it (``delayed``: it
-    saturated), ``[2]`` where ``dy`` held inf or NaN. Both are written in place by the backward; compiled, AOTAutograd
+    every call, ``[1]`` where ``dy`` went beyond ``prior``, the delayed amax that scaled it (it
+    saturated; ``None``: scaled by its own amax), ``[2]`` where ``dy`` held inf or NaN. Both are written in place by the backward; compiled, AOTAutograd
     keeps such writes of forward inputs in the backward graph."""
     observed = tensor_amax(dy2d.detach()).to(history.dtype)
     finite = torch.isfinite(observed)
-    saturated = (observed > history.amax()) & finite if delayed else torch.zeros_like(finite)
+    saturated = (observed > prior) & finite if prior is not None else torch.zeros_like(finite)
     events.copy_(events + torch.stack([torch.ones_like(finite), saturated, ~finite]).to(events.dtype))
     history.copy_(torch.cat([torch.where(finite, observed, history[0]).reshape(1), history[:-1]]))
 
@@ -223,10 +223,11 @@ class LokaLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy2d, _nonfinite_grad):  # type: ignore[override]
         plan = ctx.plan
-        # The delayed amax is read before this call's is recorded.
-        q = Quantizer(ctx.state, {"grad_output": ctx.grad_history.amax()} if ctx.grad_delayed else None)
+        # The delayed amax is read once, before this call's is recorded.
+        prior = ctx.grad_history.amax() if ctx.grad_delayed else None
+        q = Quantizer(ctx.state, None if prior is None else {"grad_output": prior})
         if ctx.grad_record:
-            record_grad_amax(ctx.grad_history, ctx.grad_events, dy2d, delayed=ctx.grad_delayed)
+            record_grad_amax(ctx.grad_history, ctx.grad_events, dy2d, prior)
         weight, *saved = ctx.saved_tensors
         x_tensors, w_t_tensors = saved[: ctx.n_x_tensors], saved[ctx.n_x_tensors :]
         w_t = None if ctx.w_t_meta is None else unpack_operand(tuple(w_t_tensors), ctx.w_t_meta)
