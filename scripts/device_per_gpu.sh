@@ -11,8 +11,11 @@
 # runs on its GPU, while the other jobs share the host's CPUs (say so where the numbers are reported).
 #
 # Every job shares one deadline (CALL_T0, the call's start; STAGE_DEADLINE_S, default 570, as in
-# device_benchmarks.sh). What comes back: $OUT/summary.txt (each job's exit status, duration and last
-# lines) and $OUT/<NAME>.tar.gz (the job's folder), at most 7 jobs.
+# device_benchmarks.sh). A job still running at the deadline is stopped there (its whole process tree),
+# so that the summary and every job's folder are written before the device call's own limit: give the
+# call a limit at least 30 s past the deadline. What comes back: $OUT/summary.txt (each job's exit
+# status, or that the deadline stopped it, its duration and last lines) and $OUT/<NAME>.tar.gz (the
+# job's folder, whatever it wrote before it ended), at most 7 jobs.
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -20,9 +23,18 @@ jobs_file=${1:?usage: device_per_gpu.sh JOBS_FILE}
 OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
 export CALL_T0=${CALL_T0:-$(date +%s)}
+DEADLINE=$(( CALL_T0 + ${STAGE_DEADLINE_S:-570} ))
 WORK=$(mktemp -d /tmp/loka-per-gpu.XXXXXX)
 
+# Stop a process and everything under it (a job's e2e driver starts torchrun in a session of its own).
+stop_tree() {
+  local child
+  for child in $(pgrep -P "$1" 2>/dev/null); do stop_tree "$child" "$2"; done
+  kill "-$2" "$1" 2>/dev/null
+}
+
 names=()
+pids=()
 while read -r gpus name command; do
   case $gpus in ''|'#'*) continue ;; esac
   if [ -z "${command:-}" ]; then
@@ -35,17 +47,35 @@ while read -r gpus name command; do
     start=$(date +%s)
     CUDA_VISIBLE_DEVICES=$gpus OUT="$WORK/$name" bash -c "$command" < /dev/null > "$WORK/$name.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" > "$WORK/$name.rc"
-  ) &
+  ) > /dev/null 2>&1 &
+  pids+=($!)
 done < "$jobs_file"
 if [ "${#names[@]}" -gt 7 ]; then
   echo "device_per_gpu.sh: ${#names[@]} jobs; at most 7 come back (8 files a call)" >&2
 fi
-wait
+
+# Wait for every job, or for the deadline: then stop the jobs still running, politely first.
+running() { local p; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+while running && [ "$(date +%s)" -lt "$DEADLINE" ]; do sleep 1; done
+stopped=()
+for i in "${!pids[@]}"; do
+  if kill -0 "${pids[$i]}" 2>/dev/null; then
+    stopped+=("${names[$i]}")
+    stop_tree "${pids[$i]}" TERM
+  fi
+done
+[ "${#stopped[@]}" -gt 0 ] && sleep 5 && for p in "${pids[@]}"; do stop_tree "$p" KILL; done
+wait 2>/dev/null
 
 for name in "${names[@]}"; do
-  read -r rc seconds < "$WORK/$name.rc"
+  if [[ " ${stopped[*]} " == *" $name "* ]]; then
+    status="stopped at the call's deadline (CALL_T0 + STAGE_DEADLINE_S = $(( DEADLINE - CALL_T0 )) s)"
+  else
+    read -r rc seconds < "$WORK/$name.rc"
+    status="rc=$rc, ${seconds} s"
+  fi
   {
-    echo "=== $name: rc=$rc, ${seconds} s"
+    echo "=== $name: $status"
     tail -n 25 "$WORK/$name.log"
   } >> "$OUT/summary.txt"
   cp "$WORK/$name.log" "$WORK/$name/job.log"

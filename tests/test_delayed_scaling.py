@@ -393,19 +393,23 @@ def test_delayed_gradients_cast_dy_without_waiting_for_its_amax():
         assert _dy_cast_waits_for_dy(layer, x) is waits, scaling
 
 
-def test_delayed_gradients_scale_by_the_history_record_it_and_count_saturation():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_delayed_gradients_scale_by_the_history_record_it_and_count_saturation(device):
     """The first compiled backward scales ``dy`` by its own amax and records it; then each scales by
     the history's largest amax: the same ``dy`` gives the same gradients as current scaling, bit for
-    bit, and a grown ``dy`` is clipped there and counted."""
+    bit, and a grown ``dy`` is clipped there and counted. On a GPU the compiled backward writes the
+    history and the counters in place as on the CPU."""
     torch._dynamo.reset()
     torch.manual_seed(5)
     base = nn.Linear(64, 48, bias=False)
-    layers = {s: LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling="delayed") for s in ("current", "delayed")}
+    layers = {
+        s: LokaLinear.from_linear(base, kernels=TENSORWISE, forward_scaling="delayed").to(device) for s in ("current", "delayed")
+    }
     layers["delayed"].grad_scaling = "delayed"
     counter = _compile_counter()
     compiled = {s: torch.compile(layer, backend=counter if s == "delayed" else "inductor", fullgraph=True) for s, layer in layers.items()}
-    x = torch.randn(32, 64)
-    dy = torch.randn(32, 48)
+    x = torch.randn(32, 64, device=device)
+    dy = torch.randn(32, 48, device=device)
 
     def grads(scaling, dy):
         xs = x.clone().requires_grad_(True)

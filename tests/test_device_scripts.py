@@ -41,3 +41,25 @@ def test_a_jobs_line_without_a_command_is_refused(tmp_path):
 def test_a_stage_with_too_little_of_the_call_left_is_skipped_with_a_line(tmp_path):
     proc = _run("device_benchmarks.sh", "gpu_tests", env={"OUT": str(tmp_path), "CALL_T0": str(int(time.time()) - 600)})
     assert proc.returncode == 3 and proc.stdout.startswith("=== gpu_tests: skipped,") and "before the call's deadline" in proc.stdout
+
+
+def test_a_job_past_the_deadline_is_stopped_with_its_children_and_everything_comes_back(tmp_path):
+    """A job that would outlive the call is stopped at the deadline, its processes with it, and the
+    summary and every job's folder are still written: a late job must not lose the others' results."""
+    jobs = tmp_path / "late.jobs"
+    jobs.write_text("0 quick echo done > $OUT/result.txt\n"
+                    "1 late echo started > $OUT/partial.txt; bash -c 'sleep 300' & sleep 300\n")  # fmt: skip
+    out = tmp_path / "out"
+    start = time.time()
+    proc = _run("device_per_gpu.sh", str(jobs), env={"OUT": str(out), "CALL_T0": str(int(start)), "STAGE_DEADLINE_S": "4"})
+    assert proc.returncode == 0, proc.stderr
+    assert time.time() - start < 30
+    summary = (out / "summary.txt").read_text()
+    assert "=== quick: rc=0" in summary
+    assert "=== late: stopped at the call's deadline (CALL_T0 + STAGE_DEADLINE_S = 4 s)" in summary
+    with tarfile.open(out / "late.tar.gz") as tar:
+        assert tar.extractfile("late/partial.txt").read().decode().strip() == "started"
+    with tarfile.open(out / "quick.tar.gz") as tar:
+        assert tar.extractfile("quick/result.txt").read().decode().strip() == "done"
+    leftover = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes of the stopped job still running: {leftover}"
