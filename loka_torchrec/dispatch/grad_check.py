@@ -38,11 +38,12 @@ part of the batch's noise: the second rule keeps such GEMMs in FP8 and the first
 A demoted role's reason in the plan names the gradient it damaged and its SQNR. ``loss_fn`` must
 be deterministic (fixed batch, no dropout): every run must see the same model and data.
 
-Memory: on a GPU the reference gradients wait in host memory, and so does each run's first
-half-batch set while the second half's backward runs; a site's gradients come back to the device
-only while that site is compared. A check then holds one set of the sites' gradients on the device
-on top of the training step's memory, not two runs' worth of two halves each; the gradients of a
-model's dense Parameters can be several GiB a set.
+Memory: on a GPU each site's weight gradient moves to host memory as the backward computes it (a
+hook on the site's Parameter; autograd then holds a zero-stride stand-in, no memory), and comes
+back to the device only while that site is compared. A check then holds no set of the sites'
+gradients on the device on top of the training step's memory, only the gradient being computed
+and the one site being compared; the gradients of a model's dense Parameters can be several GiB
+a set.
 
 The check runs the model eagerly. For a model that trains compiled (``compiled=True``) the sites
 scale their forward operands as their compiled calls will
@@ -98,25 +99,51 @@ def _gradients(
     """Each site's weight gradient with ``kernels`` (high precision where none is given); when
     ``loss_fn`` gives two half-batch losses (and ``halves``), each half's gradient too.
 
-    ``park``: where the first half's gradients wait while the second half's are computed (the
-    host, on a GPU), so that the device holds one half's set at a time, never both."""
+    ``park``: where each gradient goes as the backward computes it (the host, on a GPU), so that
+    the device never holds a set of them (module docstring)."""
     names = list(layers)
     params = [site_parameter(layers[name]) for name in names]
     for name in names:
         layers[name].set_kernels(kernels.get(name, LayerKernels()))
     loss = loss_fn()
     if loss.dim() == 0 or not halves:
-        grads = torch.autograd.grad(loss if loss.dim() == 0 else loss.mean(), params, allow_unused=True)
-        return {name: None if g is None else (g.detach().float(), None) for name, g in zip(names, grads)}
-    first = [
-        None if g is None else g.detach().float().to(park or g.device)
-        for g in torch.autograd.grad(loss[0], params, retain_graph=True, allow_unused=True)
-    ]  # fmt: skip
-    second = torch.autograd.grad(loss[1], params, allow_unused=True)
-    out: Dict[str, Optional[SiteGradient]] = {}
-    for name, a, b in zip(names, first, second):
-        out[name] = None if a is None or b is None else (None, (a, b.detach().float()))
-    return out
+        whole = _grads_of(loss if loss.dim() == 0 else loss.mean(), params, park, retain_graph=False)
+        return {name: None if g is None else (g, None) for name, g in zip(names, whole)}
+    first = _grads_of(loss[0], params, park, retain_graph=True)
+    second = _grads_of(loss[1], params, park, retain_graph=False)
+    return {name: None if a is None or b is None else (None, (a, b)) for name, a, b in zip(names, first, second)}
+
+
+def _grads_of(
+    loss: torch.Tensor, params: List[torch.nn.Parameter], park: Optional[torch.device], *, retain_graph: bool
+) -> List[Optional[torch.Tensor]]:
+    """The float32 gradients of ``loss`` for ``params`` (``None`` for one the loss does not use),
+    without touching any ``.grad``; with ``park``, each is moved there by a hook the moment autograd
+    has it, and autograd keeps an expanded zero in its place."""
+    if park is None:
+        grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+        return [None if g is None else g.detach().float() for g in grads]
+    parked: List[Optional[torch.Tensor]] = [None] * len(params)
+    slots: Dict[int, List[int]] = {}  # one hook per Parameter, also where several sites share one
+    for i, p in enumerate(params):
+        slots.setdefault(id(p), []).append(i)
+
+    def parking(indices: List[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            moved = grad.detach().to(park).float()
+            for i in indices:
+                parked[i] = moved
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
+
+        return hook
+
+    handles = [params[indices[0]].register_hook(parking(indices)) for indices in slots.values()]
+    try:
+        torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return parked
 
 
 def _moved(gradient: Optional[SiteGradient], device: torch.device) -> Optional[SiteGradient]:
@@ -128,7 +155,7 @@ def _moved(gradient: Optional[SiteGradient], device: torch.device) -> Optional[S
 
 
 def _host_for(layers: Dict[str, torch.nn.Module]) -> Optional[torch.device]:
-    """Where the reference gradients wait (module docstring): the host when the sites are on a GPU."""
+    """Where the gradients wait (module docstring): the host when the sites are on a GPU."""
     on_cuda = any(site_parameter(m).device.type == "cuda" for m in layers.values())
     return torch.device("cpu") if on_cuda else None
 
@@ -149,18 +176,19 @@ def _noise_rule(got: SiteGradient, ref: SiteGradient, error: float, signal: floa
     }
 
 
-def _assess(grads, reference, floor_db: float, max_noise_ratio: float) -> Tuple[float, str, List[str], Dict[str, dict]]:
+def _assess(
+    grads, reference, floor_db: float, max_noise_ratio: float, devices: Optional[Dict[str, torch.device]] = None
+) -> Tuple[float, str, List[str], Dict[str, dict]]:
     """The lowest weight-gradient SQNR (dB) and its site; the sites that fail (module docstring);
     and for each site under the floor, its SQNR and the noise rule's numbers. Gradients that wait
-    on the host (the reference, a first half) come to the device of the site's last computed
-    gradient (the whole one, or the second half's) one site at a time."""
+    on the host come to ``devices[site]`` (the site's own device) one site at a time."""
     worst, where, failing, under = float("inf"), "", [], {}
     for name, ref in reference.items():
         got = grads.get(name)
         if ref is None or got is None:
             continue
-        device = (got[0] if got[0] is not None else got[1][1]).device
-        got, ref = _moved(got, device), _moved(ref, device)
+        if devices is not None:
+            got, ref = _moved(got, devices[name]), _moved(ref, devices[name])
         whole = _whole(got)
         finite = bool(torch.isfinite(whole).all())
         error, signal = noise_and_signal(whole, _whole(ref)).tolist() if finite else (math.inf, math.nan)
@@ -208,22 +236,21 @@ def check_plan_gradients(
     records: List[dict] = []
 
     host = _host_for(layers)
+    devices = {name: site_parameter(module).device for name, module in layers.items()}
 
     def run(kernels: Dict[str, LayerKernels]) -> Tuple[float, str, List[str], Dict[str, dict]]:
         grads = _gradients(layers, kernels, loss_fn, halves=max_noise_ratio > 0, park=host)
-        return _assess(grads, reference, floor_db, max_noise_ratio)
+        return _assess(grads, reference, floor_db, max_noise_ratio, devices)
 
     try:
         with compiled_scaling(layers.values()) if compiled else contextlib.nullcontext():
             reference = _gradients(layers, {}, loss_fn, halves=max_noise_ratio > 0, park=host)
-            if host is not None:  # the reference waits on the host (module docstring)
-                reference = {name: _moved(gradient, host) for name, gradient in reference.items()}
             current = dict(planned)
             worst, where, failing, under = run(current)
             records.append({"kind": "plan", "worst_db": worst, "site": where, "fp8_roles": _fp8_roles(current), "failing": failing, "under_floor": under})
             if not failing:
                 return plan, records
-            damage = _solo_damage(layers, current, loss_fn, reference)
+            damage = _solo_damage(layers, current, loss_fn, reference, host, devices)
             order = sorted(damage, key=lambda key: damage[key][0])
             demoted: Dict[Tuple[str, GemmRole], str] = {}  # (site, role) -> the reason written into the plan
             for name, role in order:
@@ -251,7 +278,9 @@ def _fp8_roles(kernels: Dict[str, LayerKernels]) -> int:
     return sum(not k.for_role(role).is_high_precision for k in kernels.values() for role in _ROLES)
 
 
-def _solo_damage(layers, kernels: Dict[str, LayerKernels], loss_fn, reference) -> Dict[Tuple[str, GemmRole], Tuple[float, str]]:
+def _solo_damage(
+    layers, kernels: Dict[str, LayerKernels], loss_fn, reference, park: Optional[torch.device], devices: Dict[str, torch.device]
+) -> Dict[Tuple[str, GemmRole], Tuple[float, str]]:
     """(site, role) -> (worst weight-gradient SQNR with that role alone in FP8, the site it hit)."""
     damage = {}
     for name, k in kernels.items():
@@ -260,7 +289,8 @@ def _solo_damage(layers, kernels: Dict[str, LayerKernels], loss_fn, reference) -
             if choice.is_high_precision:
                 continue
             alone = {name: LayerKernels().replace(role, choice)}
-            worst, where, _, _ = _assess(_gradients(layers, alone, loss_fn, halves=False), reference, float("inf"), 0.0)
+            grads = _gradients(layers, alone, loss_fn, halves=False, park=park)
+            worst, where, _, _ = _assess(grads, reference, float("inf"), 0.0, devices)
             damage[(name, role)] = (worst, where)
     return damage
 
