@@ -232,7 +232,8 @@ class DispatchPlan:
 
     def summary(self, in_force: Optional[InForce] = None) -> str:
         """One line: the GEMMs planned in FP8 by kernel and, given ``in_force``, how many run in FP8
-        now and what holds the others in bf16; then coverage and the sites that never ran."""
+        now and what holds the others in bf16; then coverage and the sites that never ran, or that
+        this is not known yet (a compiled run whose steps all ran compiled, the Probe off)."""
         total = sum(self.counts().values())
         parts = ", ".join(f"{k} x{n}" for k, n in self.counts().items())
         text = f"{self.fp8_gemm_count()}/{total} GEMMs planned in FP8 ({parts})"
@@ -245,6 +246,8 @@ class DispatchPlan:
             text += f"; Dispatch manages {100 * c['share']:.1f}% of the linear multiply-adds per row ({c['managed_macs_per_row']}/{c['total_macs_per_row']})"
         if self.never_ran:
             text += f"; {len(self.never_ran)} converted site(s) never ran: {', '.join(sorted(self.never_ran))}"
+        elif self.coverage and not self.coverage.get("ran_checked", True):
+            text += "; which sites run is not checked yet (no step ran them eagerly): the counts take every site as running"
         return text
 
     def table(self, in_force: Optional[InForce] = None) -> str:
