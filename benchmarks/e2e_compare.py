@@ -101,7 +101,8 @@ runs a graph it cannot capture without them, logging why under ``TORCH_LOGS=cuda
 * ``loka_comms_off``: ``loka`` with fp32 embedding comms set explicitly, no timing (not in the default list);
 * ``loka_dmpc``: ``loka`` under TorchRec's ``DMPCollection`` with sharding groups of one rank
   (``train.sharding_group_size=1``; CUDA only; not in the default list); ``loka_dmpc2_compile_default``
-  and ``bf16_dmpc2_compile``: LoKA and the same-architecture bf16 with groups of two ranks, compiled.
+  and ``bf16_dmpc2_compile``: LoKA and the same-architecture bf16 with groups of two ranks, compiled;
+  ``loka_dmpc2_compile_default_replay``: a plan replayed (as ``loka_compile_default_replay``) with groups of two.
 
 A run named ``<run>@<k>`` (``k >= 2``) is the ``k``-th repeat of ``<run>`` in the same call,
 with the same configuration, seed and data, e.g. ``--runs bf16_compile_cudagraphs,loka_compile,
@@ -310,6 +311,7 @@ RUNS: Dict[str, RunSpec] = {
         RunSpec("loka_dmpc", (*_LOKA, "train.sharding_group_size=1"), cuda_only=True),
         RunSpec("loka_dmpc2_compile_default", (*_LOKA, "train.sharding_group_size=2"), compile="default", cuda_only=True),
         RunSpec("bf16_dmpc2_compile", (*_BF16, "train.sharding_group_size=2"), compile="default", cuda_only=True),
+        RunSpec("loka_dmpc2_compile_default_replay", (*_LOKA_REPLAY, "train.sharding_group_size=2"), compile="default", cuda_only=True),
         # The dense all-reduce in bf16 (DDP's compression hook), for the user's job, bf16 and LoKA alike.
         RunSpec("plain_compile_bf16_allreduce", (*_PLAIN, *_BF16_ALLREDUCE), compile="default", cuda_only=True),
         RunSpec("bf16_compile_bf16_allreduce", (*_BF16, *_BF16_ALLREDUCE), compile="default", cuda_only=True),

@@ -309,7 +309,7 @@ class Loka:
         # its time would make the bf16 baseline look slow.
         timed = timed and not (ran_eagerly and self.compiled_modules)
         step_ms = None if self._last_step_end is None or not timed else 1e3 * (now - self._last_step_end)
-        self.step_end(step, step_ms=step_ms, ran_eagerly=ran_eagerly)
+        self.step_end(step, step_ms=step_ms)
         self._last_step_end = time.perf_counter()  # planning work in step_end is not the next step's
 
     def _record_dense_inputs(self, step: int) -> None:
@@ -340,27 +340,23 @@ class Loka:
             self.dispatcher.check_gradients(loss_fn, step=step)
         inputs.clear()
 
-    def step_end(self, step: int, *, step_ms: Optional[float] = None, ran_eagerly: Optional[bool] = None) -> None:
+    def step_end(self, step: int, *, step_ms: Optional[float] = None) -> None:
         """Report the end of training step ``step`` (numbered from 1): the Probe merges and plans
         when due, Dispatch plans from random evidence when due, and ``step_ms`` (the step's wall
         time, if known) goes to the step-time guard. :meth:`step` calls it for you. ``"auto"``
         comms not decided yet are decided here (from the next step on; see :meth:`decide_comms`).
         Call it after the optimizer step: under CUDA graphs it also ends the step for them, and
-        the step's compiled outputs must not be read after it. ``ran_eagerly``: whether the step ran
-        its compiled modules eagerly (``None``: as :meth:`eager_at` says, which :meth:`step` follows);
-        only such a step shows Dispatch which sites run. Step numbers must increase (``ValueError``)."""
+        the step's compiled outputs must not be read after it. Step numbers must increase (``ValueError``)."""
         self._steps.check_next(step, call="loka.step_end")
         self._steps.last = step
         if not self.enabled:
             return
-        if ran_eagerly is None:
-            ran_eagerly = not self.compiled_modules or self.eager_at(step)
         self.start()
         self.decide_comms()
         plan = self.dispatcher.plan
         if self.dense_inputs is not None:
             self.dense_inputs.stop()
-        self.dispatcher.on_step_end(step, ran_eagerly=ran_eagerly)
+        self.dispatcher.on_step_end(step)
         if self.probe is not None:
             self.probe.on_step_end(step)
         made = self.dispatcher.plan  # a policy plan made at this step has its step number

@@ -710,6 +710,8 @@ def test_a_replay_run_pins_the_plan_it_is_given_and_refuses_to_run_without_one(t
     for item in ("loka.dispatch.mode=pinned", f"loka.dispatch.plan_path={plan}", "loka.probe.enabled=false", "loka.mods.preset=all"):
         assert item in replay
     assert not any(item.startswith("loka.dispatch.plan_path") for item in e2e.run_overrides(args, "dhen_xl", e2e.RUNS["plain_compile"], 0))
+    dmpc = e2e.run_overrides(args, "dhen_xl", e2e.run_spec("loka_dmpc2_compile_default_replay"), 0)  # under DMPCollection
+    assert f"loka.dispatch.plan_path={plan}" in dmpc and "train.sharding_group_size=2" in dmpc
     assert args.window_start == 100  # no run plans: the second half is timed
     for bad, expected in (
         (["--runs", "loka_compile_default_replay"], "--replay-plan: required by loka_compile_default_replay"),

@@ -135,16 +135,15 @@ def test_a_planned_kernel_that_cannot_run_at_a_shape_is_not_counted_in_force(tmp
 
 
 def test_the_counts_say_when_no_step_has_shown_which_sites_run(tmp_path):
-    """A compiled step leaves no trace of which sites ran, so until a step runs them eagerly (with
-    the Probe off and compiled from the first step: never) the summary says its counts take every
-    site as running; the first eager step checks, and then names the sites that did not run."""
+    """Until a step has run some site, the summary says its counts take every site as running; the
+    first step that runs one checks, and then names the sites that did not run."""
     model, loka = _prepared(tmp_path)
     note = "which sites run is not checked yet"
     assert note in loka.dispatcher.summary()
-    loka.dispatcher.on_step_end(1, ran_eagerly=False)  # a compiled step: still unknown
+    loka.dispatcher.on_step_end(1)  # a step that ran no site (its data ran out, say): still unknown
     assert note in loka.dispatcher.summary()
-    model[0](torch.randn(4, 32))  # an eager step that runs the first layer alone
-    loka.dispatcher.on_step_end(2, ran_eagerly=True)
+    model[0](torch.randn(4, 32))  # a step that runs the first layer alone
+    loka.dispatcher.on_step_end(2)
     summary = loka.dispatcher.summary()
     assert note not in summary and "2 converted site(s) never ran: 2, 4" in summary
     assert loka.dispatcher.in_force().fp8_gemm_count() == 3  # the one site that ran

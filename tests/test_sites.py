@@ -281,6 +281,36 @@ def test_a_site_that_never_runs_is_reported_and_not_counted(tmp_path):
     assert any(e["event"] == "never_ran" for e in report.dispatcher.events)
 
 
+def test_a_site_that_never_runs_under_compile_is_found_at_the_first_compiled_step(tmp_path):
+    """With the Probe off and every step compiled, no call is eager: the compiled calls' own trace
+    (``ran_compiled``, set as each runs, no recompile) finds the site that never runs at step 1."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class ReadsChildWeight(nn.Module):  # calls F.linear with its child's weight, never the child
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.head(F.linear(x, self.proj.weight, self.proj.bias))
+
+    torch._dynamo.reset()
+    model = ReadsChildWeight()
+    report = loka_torchrec.apply(model, DispatchConfig(mode=FP8), run_dir=str(tmp_path))
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for step in (1, 2, 3):
+        compiled(torch.randn(4, 16)).sum().backward()
+        report.dispatcher.on_step_end(step)
+        if step == 1:
+            assert list(report.dispatcher.plan.never_ran) == ["proj"]
+    assert report.dispatcher.managed_layers()["head"].last_rows == 0  # it ran compiled only
+    assert report.dispatcher.in_force().fp8_gemm_count() == 3
+    assert counter.frame_count == 1  # the trace is a side effect, not a guard
+    torch._dynamo.reset()
+
+
 def test_sites_compile_fullgraph_without_graph_breaks():
     from torch._dynamo.utils import counters
 

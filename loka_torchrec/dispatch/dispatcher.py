@@ -452,18 +452,13 @@ class Dispatcher(EvidenceConsumer):
         return self._ranks.agree(verdict, device, self._guard.tolerance)
 
     # ------------------------------------------------------------------ training-loop hook
-    def on_step_end(self, step: int, *, ran_eagerly: bool = True) -> None:
+    def on_step_end(self, step: int) -> None:
         """Call after each training step (``step`` counts from 1): plans from random evidence when due.
 
-        Args:
-            step: the step that ended.
-            ran_eagerly: whether every site ran eagerly in it (no compiled module, or compiled
-                modules run in :func:`~loka_torchrec.compile.eager`). Only such a step shows which
-                sites run: a compiled call leaves no trace on the host. At the first one, the sites
-                that did not run are recorded as never ran (plan, ``dispatch_plan.json``, events).
+        At the first step in which any site ran (eagerly or compiled), the sites that did not run
+        are recorded as never ran (plan, ``dispatch_plan.json``, events).
         """
-        if ran_eagerly:
-            self._check_ran(step)
+        self._check_ran(step)
         if self.config.mode == "policy" and self.config.evidence in ("random", "auto") and step == self.config.plan_at_step:
             evidence = self.measure_random(seed=step)
             self.replan(evidence, source="random", step=step)
@@ -619,7 +614,7 @@ class Dispatcher(EvidenceConsumer):
         return dict(self._reach.never_ran)
 
     def _check_ran(self, step: int) -> None:
-        """After an eager step: the sites that did not run in the first one are never-ran (once)."""
+        """After a step: the sites that did not run by the first one in which any did are never-ran (once)."""
         if not self._reach.check_ran():
             return
         never_ran = self._reach.never_ran

@@ -82,6 +82,15 @@ def _scaling_setting(name: str, operands: str) -> property:
     return property(get, set, doc=f"``\"current\"`` or ``\"delayed\"``: what scales {operands} (class docstring).")
 
 
+class _RunMark:
+    """What a compiled call of a site marks (``ran``). A plain object, so that the store Dynamo
+    replays after each run of the graph is one attribute write; on the site itself it would go
+    through ``nn.Module.__setattr__`` at every call."""
+
+    def __init__(self) -> None:
+        self.ran = False
+
+
 class GemmSite(nn.Module):
     """One GEMM site: ``y = x W^T + b`` whose three GEMMs each run on their own kernel.
 
@@ -91,7 +100,7 @@ class GemmSite(nn.Module):
     ``in_features``, ``out_features``, calls :meth:`_init_dispatch` once its weight exists, and runs
     its GEMM through :meth:`_site_forward`. What the Dispatcher and the Probe read
     (``kernels``/``set_kernels``, ``last_rows``, ``last_input_dtype``, ``last_autocast_dtype``,
-    ``grad_format``, ``fallback_reasons``, ``nonfinite_events``) lives here.
+    ``ran_compiled``, ``grad_format``, ``fallback_reasons``, ``nonfinite_events``) lives here.
 
     **Forward scaling** (``forward_scaling``). ``"current"``: every FP8 operand is scaled by its own
     amax, which a compiled step must reduce over the whole tensor before the cast can start, so
@@ -137,6 +146,7 @@ class GemmSite(nn.Module):
         self.forward_scaling = forward_scaling
         self._eager = EagerState()
         self.last_rows = 0
+        self._run_mark = _RunMark()
         self.last_input_dtype = None
         self.last_autocast_dtype = None
         self.fallback_reasons = {}
@@ -227,6 +237,17 @@ class GemmSite(nn.Module):
         logger.warning("%s(%d, %d): %s; using bf16:hp", type(self).__name__, self.in_features, self.out_features, message)
         return RoleKernel(BF16, None)
 
+    @property
+    def ran_compiled(self) -> bool:
+        """Whether a compiled call of this site ran since it was made (compiled calls leave
+        ``last_rows`` alone): :mod:`~loka_torchrec.dispatch.reach` reads it."""
+        return self._run_mark.ran
+
+    def _mark_ran_compiled(self) -> None:
+        """Called while Dynamo traces a call of this site: the store is a side effect Dynamo replays
+        after each run of the graph, with no guard, no recompile and nothing in the graph."""
+        self._run_mark.ran = True
+
     # ----------------------------------------------------------------------------- forward
     def _site_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``y = x W^T + b`` with each GEMM on its planned kernel (``weight`` (out, in), ``bias`` (out,) or ``None``).
@@ -258,6 +279,8 @@ class GemmSite(nn.Module):
             self.last_rows = rows
             self.last_input_dtype = input.dtype
             self.last_autocast_dtype = torch.get_autocast_dtype(device_type) if autocast else None
+        else:
+            self._mark_ran_compiled()
         plan = self._plan
         if rows == 0:
             return F.linear(input, weight, bias)  # nothing to quantize

@@ -1,7 +1,7 @@
 """Which managed sites run, and the share of the model's multiply-adds that Dispatch reaches.
 
-A site that never runs in the first eager training step is left out of the plan's counts, with
-why (:func:`never_ran_reason`); the plan's ``coverage`` gives the multiply-adds per forward row
+A site that did not run in the first training step in which any site ran is left out of the plan's
+counts, with why (:func:`never_ran_reason`); the plan's ``coverage`` gives the multiply-adds per forward row
 of the sites that run against those of every GEMM found, the unreached ones included.
 """
 
@@ -32,17 +32,17 @@ class SiteReach:
         self.ran_checked = False
 
     def check_ran(self) -> bool:
-        """After an eager step: note the sites that did not run in it, once; whether it did now.
+        """After a training step: note the sites that have not run, once; whether it did now.
 
-        Only an eager step counts: compiled calls do not update ``last_rows``, so a site that ran
-        compiled would look as if it never ran (a step where only the sites outside the compiled
-        modules ran eagerly must not decide). A step in which no site ran at all decides nothing.
+        An eager call leaves its rows (``last_rows``), a compiled one ``ran_compiled``, so a step
+        that ran some sites eagerly and the others compiled decides as an eager one does. A step
+        in which no site ran at all decides nothing.
         """
-        if self.ran_checked or not any(_rows(m) for m in self._layers.values()):
+        if self.ran_checked or not any(_ran(m) for m in self._layers.values()):
             return False
         self.ran_checked = True
         for name, module in self._layers.items():
-            if not _rows(module):
+            if not _ran(module):
                 self.never_ran[name] = never_ran_reason(module)
         return True
 
@@ -70,8 +70,8 @@ class SiteReach:
         return dataclasses.replace(plan, never_ran=dict(self.never_ran), coverage=coverage)
 
 
-def _rows(module: torch.nn.Module) -> int:
-    return int(getattr(module, "last_rows", 0) or 0)
+def _ran(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "last_rows", 0) or getattr(module, "ran_compiled", False))
 
 
 def never_ran_reason(module: torch.nn.Module) -> str:

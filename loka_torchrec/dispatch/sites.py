@@ -369,8 +369,13 @@ _HANDLERS: Dict[Callable, Callable] = {
 def _traced_plain(*sites: Optional[GemmSite]) -> bool:
     """Whether the call is being traced with every site in high precision: then the model's own op
     runs, so that a plan without FP8 compiles to the plain model's code (eager calls still go through
-    the site: its row count, the Probe's hooks and the amax history see them)."""
-    return compiling() and all(site is not None and site.plan.all_high_precision for site in sites)
+    the site: its row count, the Probe's hooks and the amax history see them). The sites are marked
+    as run (``ran_compiled``: a store Dynamo replays after the graph, nothing in the graph)."""
+    plain = compiling() and all(site is not None and site.plan.all_high_precision for site in sites)
+    if plain:
+        for site in sites:
+            site._mark_ran_compiled()
+    return plain
 
 
 class SiteMode(TorchFunctionMode):
