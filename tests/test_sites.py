@@ -256,16 +256,19 @@ def test_cross_attention_and_unsupported_attention_are_reported():
     assert plan.fp8_gemm_count() == 3 and plan.coverage["share"] < 0.5
 
 
+class ReadsChildWeight(nn.Module):
+    """Calls ``F.linear`` with its child's weight, never the child: the child's site never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(F.linear(x, self.proj.weight, self.proj.bias))
+
+
 def test_a_site_that_never_runs_is_reported_and_not_counted(tmp_path):
-    class ReadsChildWeight(nn.Module):  # calls F.linear with its child's weight, never the child
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(16, 16)
-            self.head = nn.Linear(16, 1)
-
-        def forward(self, x):
-            return self.head(F.linear(x, self.proj.weight, self.proj.bias))
-
     model = ReadsChildWeight()
     report = loka_torchrec.apply(model, DispatchConfig(mode=FP8), run_dir=str(tmp_path))
     model(torch.randn(4, 16)).sum().backward()
@@ -285,15 +288,6 @@ def test_a_site_that_never_runs_under_compile_is_found_at_the_first_compiled_ste
     """With the Probe off and every step compiled, no call is eager: the compiled calls' own trace
     (``ran_compiled``, set as each runs, no recompile) finds the site that never runs at step 1."""
     from torch._dynamo.testing import CompileCounterWithBackend
-
-    class ReadsChildWeight(nn.Module):  # calls F.linear with its child's weight, never the child
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(16, 16)
-            self.head = nn.Linear(16, 1)
-
-        def forward(self, x):
-            return self.head(F.linear(x, self.proj.weight, self.proj.bias))
 
     torch._dynamo.reset()
     model = ReadsChildWeight()
