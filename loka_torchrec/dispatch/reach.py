@@ -16,6 +16,9 @@ from loka_torchrec.dispatch.plan import DispatchPlan
 
 __all__ = ["SiteReach", "never_ran_reason"]
 
+NOT_CALLED = "not called in a training step (its weight is read elsewhere, or a fused path bypasses it)"
+"""The reason of a site no call reached at all (no scope saw its Parameter either)."""
+
 
 class SiteReach:
     """The reach of Dispatch over ``layers`` (FQN -> site).
@@ -53,6 +56,7 @@ class SiteReach:
 
     def annotated(self, plan: DispatchPlan) -> DispatchPlan:
         """``plan`` with this run's never-ran sites and coverage."""
+        self._refresh_reasons()
         managed = sum(m.in_features * m.out_features for n, m in self._layers.items() if n not in self.never_ran)
         unreached = dict(self._unreached)
         for name, reason in self.never_ran.items():
@@ -69,6 +73,15 @@ class SiteReach:
         }
         return dataclasses.replace(plan, never_ran=dict(self.never_ran), coverage=coverage)
 
+    def _refresh_reasons(self) -> None:
+        """A never-ran site's reason from what eager calls have seen of its Parameter since it was
+        found: a compiled first step decides which sites run, and the Probe's eager steps after it
+        say why one did not (a call its scope could not route, another use of the Parameter)."""
+        for name in self.never_ran:
+            reason = never_ran_reason(self._layers[name])
+            if reason != NOT_CALLED:
+                self.never_ran[name] = reason
+
 
 def _ran(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "last_rows", 0) or getattr(module, "ran_compiled", False))
@@ -82,4 +95,4 @@ def never_ran_reason(module: torch.nn.Module) -> str:
         return "its GEMMs ran in high precision: " + "; ".join(f"{k}: {v}" for k, v in sorted(calls.items()))
     if other:
         return "not a GEMM operand: its Parameter is read by " + ", ".join(sorted(other))
-    return "not called in a training step (its weight is read elsewhere, or a fused path bypasses it)"
+    return NOT_CALLED

@@ -182,16 +182,23 @@ class ParameterSite(GemmSite):
 
 
 # ------------------------------------------------------------------------------------- handlers
-def _call_site(site: GemmSite, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Any:
-    """``site(x) + bias`` through the site, or ``NotImplemented`` where the call does not fit it."""
+def _call_site(site: GemmSite, x: torch.Tensor, bias: Optional[torch.Tensor], *, plain: bool = False) -> Any:
+    """``site(x) + bias`` through the site, or ``NotImplemented`` where the call does not fit it.
+
+    ``plain`` (:func:`_traced_plain`): the model's own op runs instead (``NotImplemented``), and a
+    call that fits the site marks it as run (``ran_compiled``: a store Dynamo replays after the
+    graph, nothing in the graph), as the site's own compiled call would."""
     if not torch.is_tensor(x) or x.dim() == 0 or x.shape[-1] != site.in_features or not x.is_floating_point():
+        return NotImplemented
+    if isinstance(site, LokaLinear) and bias is not site.bias and site.bias is not None:
+        return NotImplemented
+    if plain:
+        site._mark_ran_compiled()
         return NotImplemented
     if isinstance(site, LokaLinear):  # an nn.Linear whose weight its parent reads (MultiheadAttention.out_proj)
         if bias is site.bias:
             return site(x)
-        if site.bias is None:
-            return site(x) if bias is None else site(x) + bias
-        return NotImplemented
+        return site(x) if bias is None else site(x) + bias
     if bias is None or (torch.is_tensor(bias) and bias.dim() == 1 and bias.shape[0] == site.out_features):
         return site(x, bias)
     return site(x) + bias
@@ -214,32 +221,28 @@ def _oriented(site: GemmSite, layout: SiteLayout, key: str) -> bool:
 
 def _linear(mode: "SiteMode", input, weight, bias=None):
     site = mode.site_of(weight)
-    if site is None or _traced_plain(site) or not _oriented(site, LINEAR, "F.linear"):
+    if site is None or not _oriented(site, LINEAR, "F.linear"):
         return NotImplemented
-    return _call_site(site, input, bias)
+    return _call_site(site, input, bias, plain=_traced_plain(site))
 
 
 def _matmul(mode: "SiteMode", a, b):
     site = mode.site_of(b)
-    if site is not None and _traced_plain(site):
-        return NotImplemented
     if site is not None:
         if not _oriented(site, MATMUL, "x @ P"):
             return NotImplemented
         if torch.is_tensor(a) and a.dim() == 1:
-            out = _call_site(site, a.unsqueeze(0), None)
+            out = _call_site(site, a.unsqueeze(0), None, plain=_traced_plain(site))
             return out if out is NotImplemented else out.squeeze(0)
-        return _call_site(site, a, None)
+        return _call_site(site, a, None, plain=_traced_plain(site))
     site = mode.site_of(a)
-    if site is not None and _traced_plain(site):
-        return NotImplemented
     if site is not None:  # P @ x = (x^T P^T)^T for an (out, in) Parameter; x (in,), (in, n) or (..., in, n)
         if not torch.is_tensor(b) or not _oriented(site, LINEAR, "P @ x"):
             return NotImplemented
         if b.dim() == 1:
-            out = _call_site(site, b.unsqueeze(0), None)
+            out = _call_site(site, b.unsqueeze(0), None, plain=_traced_plain(site))
             return out if out is NotImplemented else out.squeeze(0)
-        out = _call_site(site, b.transpose(-1, -2), None)
+        out = _call_site(site, b.transpose(-1, -2), None, plain=_traced_plain(site))
         return out if out is NotImplemented else out.transpose(-1, -2)
     return NotImplemented
 
@@ -250,11 +253,11 @@ def _rmatmul(mode: "SiteMode", p, other):
 
 def _addmm(mode: "SiteMode", input, mat1, mat2, *, beta=1, alpha=1):
     site = mode.site_of(mat2)
-    if site is None or _traced_plain(site) or not _oriented(site, MATMUL, "addmm"):
+    if site is None or not _oriented(site, MATMUL, "addmm"):
         return NotImplemented
     if alpha == 1 and beta == 1:
-        return _call_site(site, mat1, input)
-    y = _call_site(site, mat1, None)
+        return _call_site(site, mat1, input, plain=_traced_plain(site))
+    y = _call_site(site, mat1, None, plain=_traced_plain(site))
     return y if y is NotImplemented else alpha * y + beta * input
 
 
@@ -264,7 +267,7 @@ def _einsum(mode: "SiteMode", equation, *operands):
     if len(operands) != 2 or not isinstance(equation, str):
         return NotImplemented
     site = mode.site_of(operands[1])
-    if site is None or _traced_plain(site):
+    if site is None:
         return NotImplemented
     layout = einsum_layout(equation)
     if layout is None:
@@ -272,7 +275,7 @@ def _einsum(mode: "SiteMode", equation, *operands):
         return NotImplemented
     if not _oriented(site, layout, f"einsum {equation!r}"):
         return NotImplemented
-    return _call_site(site, operands[0], None)
+    return _call_site(site, operands[0], None, plain=_traced_plain(site))
 
 
 def _attention_mask(attn_mask, key_padding_mask, batch: int, heads: int, q_len: int, k_len: int, dtype):
@@ -301,7 +304,7 @@ def _multi_head_attention(mode: "SiteMode", query, key, value, embed_dim_to_chec
                           static_k=None, static_v=None, average_attn_weights=True, is_causal=False):  # fmt: skip
     """``F.multi_head_attention_forward`` with its two projections on sites (self-attention only)."""
     in_site, out_site = mode.site_of(in_proj_weight), mode.site_of(out_proj_weight)
-    if in_site is None or out_site is None or _traced_plain(in_site, out_site):
+    if in_site is None or out_site is None:
         return NotImplemented
     unsupported = (
         "cross-attention (query is not key and value)" if not (query is key and key is value) else
@@ -311,6 +314,10 @@ def _multi_head_attention(mode: "SiteMode", query, key, value, embed_dim_to_chec
     )  # fmt: skip
     if unsupported is not None:
         _note(in_site, "multi_head_attention_forward", unsupported)
+        return NotImplemented
+    if _traced_plain(in_site, out_site):  # both projections take the embedding-wide query's rows
+        _call_site(in_site, query, in_proj_bias, plain=True)
+        _call_site(out_site, query, out_proj_bias, plain=True)
         return NotImplemented
     batched = query.dim() == 3
     x = query if batched else query.unsqueeze(1)  # (L, N, E): PyTorch's sequence-first layout
@@ -369,13 +376,9 @@ _HANDLERS: Dict[Callable, Callable] = {
 def _traced_plain(*sites: Optional[GemmSite]) -> bool:
     """Whether the call is being traced with every site in high precision: then the model's own op
     runs, so that a plan without FP8 compiles to the plain model's code (eager calls still go through
-    the site: its row count, the Probe's hooks and the amax history see them). The sites are marked
-    as run (``ran_compiled``: a store Dynamo replays after the graph, nothing in the graph)."""
-    plain = compiling() and all(site is not None and site.plan.all_high_precision for site in sites)
-    if plain:
-        for site in sites:
-            site._mark_ran_compiled()
-    return plain
+    the site: its row count, the Probe's hooks and the amax history see them); :func:`_call_site`
+    then marks the sites the call fits as run."""
+    return compiling() and all(site is not None and site.plan.all_high_precision for site in sites)
 
 
 class SiteMode(TorchFunctionMode):
