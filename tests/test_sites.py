@@ -393,3 +393,25 @@ def test_compiled_bias_free_sites_get_the_eager_gradients(forward):
     assert w_eager.abs().sum() > 0
     torch.testing.assert_close(w_compiled, w_eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x_compiled, x_eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_never_ran_reason_found_by_a_compiled_step_is_refined_by_later_eager_calls():
+    """A compiled first step decides which sites run but cannot say why one did not; the eager calls
+    after it (the Probe's steps) see the call the scope could not route, and the next plan says so."""
+    from loka_torchrec.dispatch.plan import DispatchPlan
+    from loka_torchrec.dispatch.reach import NOT_CALLED, SiteReach
+
+    owner = nn.Module()
+    owner.used = nn.Parameter(torch.randn(8, 4))
+    owner.unused = nn.Parameter(torch.randn(8, 4))
+    layers = {"used": ParameterSite(owner, "used"), "unused": ParameterSite(owner, "unused")}
+    reach = SiteReach(layers)
+    assert reach.check_ran() is False  # no site ran yet: nothing decided
+    layers["used"]._mark_ran_compiled()
+    assert reach.check_ran() is True and reach.never_ran == {"unused": NOT_CALLED}
+    plan = DispatchPlan(layers={}, mode="all-bf16")
+    assert reach.annotated(plan).never_ran == {"unused": NOT_CALLED}
+    layers["unused"].unreached_calls["multi_head_attention_forward"] = "cross-attention (query is not key and value)"
+    refined = reach.annotated(plan)
+    assert "cross-attention" in refined.never_ran["unused"] and refined.coverage["ran_checked"] is True
+    assert reach.check_ran() is False  # decided once
