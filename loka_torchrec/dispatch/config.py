@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 from loka_torchrec.config_fields import check_field_types
 from loka_torchrec.evidence import KernelChoice
 from loka_torchrec.fp8 import Fp8Format
-from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
+from loka_torchrec.fp8.scaling import check_scaling
 
 __all__ = ["DispatchConfig", "DISPATCH_MODES", "EVIDENCE_SOURCES"]
 
@@ -162,14 +162,8 @@ class DispatchConfig:
         if self.fallback not in ("error", "bf16"):
             raise ValueError(f"dispatch.fallback: expected 'error' or 'bf16', got {self.fallback!r}")
         Fp8Format.parse(self.grad_format, field="dispatch.grad_format")
-        if self.forward_scaling not in FORWARD_SCALINGS:
-            raise ValueError(
-                f"dispatch.forward_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {self.forward_scaling!r}"
-            )
-        if self.grad_scaling not in FORWARD_SCALINGS:
-            raise ValueError(
-                f"dispatch.grad_scaling: expected one of {', '.join(FORWARD_SCALINGS)}, got {self.grad_scaling!r}"
-            )
+        check_scaling(self.forward_scaling, "dispatch.forward_scaling")
+        check_scaling(self.grad_scaling, "dispatch.grad_scaling")
         if self.step_guard_window < 0:
             raise ValueError(f"dispatch.step_guard_window: must be an int >= 0, got {self.step_guard_window!r}")
         if self.layer_check_reps < 0:

@@ -42,8 +42,9 @@ def record_grad_amax(history: torch.Tensor, events: torch.Tensor, dy2d: torch.Te
     """Push ``dy``'s amax onto a site's ``dy`` history (newest first; a non-finite amax repeats the
     newest entry, so one step's inf sets no later scale) and count the call in ``events``: ``[0]``
     every call, ``[1]`` where ``dy`` went beyond ``prior``, the delayed amax that scaled it (it
-    saturated; ``None``: scaled by its own amax), ``[2]`` where ``dy`` held inf or NaN. Both are written in place by the backward; compiled, AOTAutograd
-    keeps such writes of forward inputs in the backward graph."""
+    saturated; ``None``: scaled by its own amax), ``[2]`` where ``dy`` held inf or NaN. Both are
+    written in place by the backward; compiled, AOTAutograd keeps such writes of forward inputs in
+    the backward graph."""
     observed = tensor_amax(dy2d.detach()).to(history.dtype)
     finite = torch.isfinite(observed)
     saturated = (observed > prior) & finite if prior is not None else torch.zeros_like(finite)

@@ -26,7 +26,7 @@ from loka_torchrec.dispatch.quantizer import Quantizer
 from loka_torchrec.dispatch.role_kernels import GEMM_ROLES, RoleKernel, SitePlan, delayed_grad_operand, delayed_operands, prior_amax_by_operand
 from loka_torchrec.evidence import BF16, GemmRole, GemmShape
 from loka_torchrec.fp8 import Fp8Format, tensor_amax
-from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
+from loka_torchrec.fp8.scaling import check_scaling
 from loka_torchrec.gemm.backends import get_backend
 from loka_torchrec.gemm.backends.high_precision import high_precision_dtype
 from loka_torchrec.gemm.recipes import recipe_for
@@ -75,8 +75,7 @@ def _scaling_setting(name: str, operands: str) -> property:
         return getattr(self, slot)
 
     def set(self, value: str) -> None:
-        if value not in FORWARD_SCALINGS:
-            raise ValueError(f"{name}: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+        check_scaling(value, name)
         setattr(self, slot, value)
 
     return property(get, set, doc=f"``\"current\"`` or ``\"delayed\"``: what scales {operands} (class docstring).")

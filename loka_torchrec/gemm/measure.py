@@ -16,7 +16,7 @@ import torch
 from loka_torchrec.evidence import GemmRole, GemmShape, Interval, KernelChoice
 from loka_torchrec.gemm.candidates import resolve_candidate
 from loka_torchrec.fp8 import Fp8Format, mere, tensor_amax
-from loka_torchrec.fp8.scaling import FORWARD_SCALINGS
+from loka_torchrec.fp8.scaling import check_scaling
 from loka_torchrec.gemm.intervals import iqr_interval
 
 __all__ = ["DelayedOperandAmax", "call_times_ms", "excluded_note", "run_role_gemm", "time_ms", "graph_replay_ms", "role_operands"]
@@ -57,9 +57,8 @@ class DelayedOperandAmax:
     _GRAD_OPERAND = {GemmRole.GRAD_INPUT: 0, GemmRole.GRAD_WEIGHT: 0}
 
     def __init__(self, role: GemmRole, forward_scaling: str, grad_scaling: str = "current") -> None:
-        for field, value in (("forward_scaling", forward_scaling), ("grad_scaling", grad_scaling)):
-            if value not in FORWARD_SCALINGS:
-                raise ValueError(f"{field}: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+        check_scaling(forward_scaling, "forward_scaling")
+        check_scaling(grad_scaling, "grad_scaling")
         role = GemmRole(role)
         slots = set()
         if forward_scaling == "delayed" and role in self._INPUT_OPERAND:
