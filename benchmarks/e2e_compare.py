@@ -178,6 +178,9 @@ AUTO_COMMS_REFERENCES = ("bf16_auto_comms_compile", "bf16_auto_comms_compile_cud
 # The same architecture for LoKA's runs without Mods: the user's model with LoKA on and every GEMM
 # bf16 (no Probe, fp32 comms). Where it ran, those runs' "same architecture" speed-ups are against it.
 NOMODS_REFERENCES = ("bf16_nomods_compile_cudagraphs",)
+# The same architecture in bf16 under DMPCollection (groups of two ranks): LoKA's DMPCollection runs
+# are against it, since the replicated groups' extra all-reduce is in both.
+DMPC_REFERENCES = ("bf16_dmpc2_compile",)
 # torchao's compiled runs with its auto filter: the library baseline a user would try first
 # (section "Against the strongest baselines"); each recipe in one compile mode or the other.
 TORCHAO_RECIPES = (
@@ -383,6 +386,12 @@ def without_mods(run: str) -> bool:
         return False
     overrides = run_spec(run).overrides
     return "loka.enabled=true" in overrides and "loka.mods.preset=none" in overrides
+
+
+def under_dmpc(run: str) -> bool:
+    """Whether ``run`` shards with DMPCollection (a ``train.sharding_group_size`` override): its same
+    architecture in bf16 is :data:`DMPC_REFERENCES`."""
+    return _is_run(run) and any(o.startswith("train.sharding_group_size=") for o in run_spec(run).overrides)
 
 
 def run_spec(name: str) -> RunSpec:
@@ -866,6 +875,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
         refs = speed_references(records, recipe)
         user_refs = speed_references(records, recipe, USER_JOB_REFERENCES, None)
         nomods_refs = speed_references(records, recipe, NOMODS_REFERENCES, None)
+        dmpc_refs = speed_references(records, recipe, DMPC_REFERENCES, None)
         eager = {s: r for s, r in _ok(records, recipe, FALLBACK_REFERENCE).items() if r.get("median_step_ms")}
         ne_ref: Dict[int, Dict[str, Any]] = {}
         for name in reversed(NE_REFERENCES):  # the first name that completed wins
@@ -873,8 +883,14 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
         reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
         user_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in user_refs.items()}
         nomods_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in nomods_refs.items()}
+        dmpc_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in dmpc_refs.items()}
         for run in runs:
-            own_refs = nomods_refs if without_mods(run) and nomods_refs else refs
+            if under_dmpc(run) and dmpc_refs:
+                own_refs, own_reference, kind = dmpc_refs, dmpc_reference, "dmpc"
+            elif without_mods(run) and nomods_refs:
+                own_refs, own_reference, kind = nomods_refs, nomods_reference, "nomods"
+            else:
+                own_refs, own_reference, kind = refs, reference, "mods"
             mine = [r for r in records if r["recipe"] == recipe and r["run"] == run]
             ok = [r for r in mine if r["status"] == "ok"]
             row: Dict[str, Any] = {
@@ -884,8 +900,9 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
                 "seeds_ok": [r["seed"] for r in ok],
                 "status": "ok" if ok and len(ok) == len(mine) else ("partial" if ok else (mine[0]["status"] if mine else "not_run")),
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
-                "speed_reference": nomods_reference if own_refs is nomods_refs else reference,
-                "speed_reference_without_mods": own_refs is nomods_refs,  # LoKA's bf16 on the user's model
+                "speed_reference": own_reference,
+                "speed_reference_kind": kind,  # mods: bf16_compile*; nomods: LoKA's bf16 on the user's model; dmpc
+                "speed_reference_without_mods": kind == "nomods",
                 "user_job_reference": user_reference,
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
@@ -1195,7 +1212,7 @@ def repeats_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> Li
     where either ran more than once: the ratio of their mean steps and the range of the ratios
     of every pair of their runs. A ratio that moves less than the spread of one configuration
     is not LoKA's."""
-    references = (*USER_JOB_REFERENCES, *COMPILED_REFERENCES, *NOMODS_REFERENCES)
+    references = (*USER_JOB_REFERENCES, *COMPILED_REFERENCES, *NOMODS_REFERENCES, *DMPC_REFERENCES)
     rows, pairs = [], []
     for recipe in recipes:
         seeds = sorted({r["seed"] for r in records if r["recipe"] == recipe})
@@ -1209,7 +1226,7 @@ def repeats_section(records: List[Dict[str, Any]], recipes: Sequence[str]) -> Li
                     spread = max(times) / min(times) - 1
                     rows.append(f"| {recipe} | {seed} | {base} | {' / '.join(f'{t:.2f}' for t in times)} | {statistics.fmean(times):.2f} | {100 * spread:.1f}% |")
             for loka in (b for b in by_base if b.startswith("loka")):
-                for ref in (b for b in references if b in by_base):
+                for ref in (b for b in references if b in by_base and (b in DMPC_REFERENCES) == under_dmpc(loka)):
                     mine, theirs = by_base[loka], by_base[ref]
                     if len(mine) < 2 and len(theirs) < 2:
                         continue
@@ -1493,16 +1510,19 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     extra_head = " GEMM % | 2x ceiling |" if profiled else ""
     for recipe in a["recipes"]:
         mine = [r for r in rows if r["recipe"] == recipe]
-        with_mods = [r for r in mine if not r.get("speed_reference_without_mods")]
-        reference = (with_mods or mine)[0]["speed_reference"] if mine else {}
+        with_mods = [r for r in mine if r.get("speed_reference_kind", "nomods" if r.get("speed_reference_without_mods") else "mods") == "mods"]
+        not_dmpc = [r for r in mine if r.get("speed_reference_kind") != "dmpc"]
+        reference = (with_mods or not_dmpc)[0]["speed_reference"] if not_dmpc else {}
         user_reference = mine[0].get("user_job_reference", {}) if mine else {}
         nomods = next((r["speed_reference"] for r in mine if r.get("speed_reference_without_mods")), None)
+        dmpc = next((r["speed_reference"] for r in mine if r.get("speed_reference_kind") == "dmpc"), None)
         replayed = sorted({(r["seed"], r["replay_plan"]) for r in records if r["recipe"] == recipe and r.get("replay_plan")})
         lines += [
             f"## {recipe}",
             "",
             f"User's job: {reference_words(user_reference)}. Same architecture in bf16: {reference_words(reference)}."
             + (f" For LoKA's runs without Mods (the user's model): {reference_words(nomods)}." if nomods else "")
+            + (f" For the runs under DMPCollection (groups of two ranks): {reference_words(dmpc)}." if dmpc else "")
             + "".join(f" The replay runs of seed {seed} pinned `{plan}`." for seed, plan in replayed),
             "",
             "| run | compile | status | step ms median [p10, p90], mean | vs user's job + compile | vs same-arch bf16 + compile "

@@ -32,6 +32,7 @@
 # end, default 5; not timed), E2E_RUN_TIMEOUT (seconds one e2e run may take, default 300), DENSE_ARGS
 # (more arguments of dense_part_step.py, e.g. "--top-kernels 400"), INFERENCE_ARGS (more arguments of
 # inference_throughput.py, e.g. "--choose-at-batch"),
+# E2E_DEVICE (the e2e driver's --device, default cuda; cpu runs the stage on a machine without a GPU),
 # STAGE_DEADLINE_S (default 570: seconds from CALL_T0, the call's start in epoch seconds, default now).
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -66,17 +67,21 @@ case $stage in
     ;;
   e2e)
     name=${2:?e2e NAME RECIPES SEEDS RUNS}; recipes=${3:?}; seeds=${4:?}; runs=${5:?}
-    mkdir -p "$WORK/results"
     extra=(); for o in ${E2E_OVERRIDES:-}; do extra+=(--override "$o"); done
     [ -n "${E2E_REPLAY_PLAN:-}" ] && extra+=(--replay-plan "$E2E_REPLAY_PLAN")
-    python3 -P benchmarks/e2e_compare.py "${extra[@]}" --out "$WORK/results" --runs-dir "$WORK/runs" --name "$name" \
-      --recipes "$recipes" --seeds "$seeds" --runs "$runs" --steps "$STEPS" --probe-warmup "$WARMUP" --nproc "${E2E_NPROC:-1}" \
-      --profile-start $(( STEPS - ${E2E_PROFILE_STEPS:-5} - 7 )) --profile-steps "${E2E_PROFILE_STEPS:-5}" --run-timeout "${E2E_RUN_TIMEOUT:-300}" --max-seconds $(( $(left) - 25 )) \
-      > "$WORK/$name.log" 2>&1
+    # The driver rewrites its tables in $OUT after every run; the runs' own files and the driver's log are
+    # packed at the end, or when the stage is stopped (device_per_gpu.sh's deadline), so a stopped
+    # stage still returns the finished runs' tables and how far the unfinished one got.
+    pack_e2e() { tail -n 30 "$WORK/$name.log"; tar -czf "$OUT/$name-runs.tar.gz" -C "$WORK" --exclude='site' runs "$name.log" 2>/dev/null; }
+    trap 'echo "=== e2e $name: stopped"; pack_e2e; exit 143' TERM
+    python3 -P benchmarks/e2e_compare.py "${extra[@]}" --device "${E2E_DEVICE:-cuda}" --out "$OUT" --runs-dir "$WORK/runs" \
+      --name "$name" --recipes "$recipes" --seeds "$seeds" --runs "$runs" --steps "$STEPS" --probe-warmup "$WARMUP" \
+      --nproc "${E2E_NPROC:-1}" --profile-start $(( STEPS - ${E2E_PROFILE_STEPS:-5} - 7 )) --profile-steps "${E2E_PROFILE_STEPS:-5}" \
+      --run-timeout "${E2E_RUN_TIMEOUT:-300}" --max-seconds $(( $(left) - 25 )) > "$WORK/$name.log" 2>&1 &
+    wait $!  # in the background, so that a TERM runs the trap at once instead of after the driver
     echo "=== e2e $name: rc=$?"
-    tail -n 30 "$WORK/$name.log"
-    cp "$WORK/results"/*.md "$WORK/results"/*.json "$WORK/results"/*.png "$OUT"/ 2>/dev/null
-    tar -czf "$OUT/$name-runs.tar.gz" -C "$WORK" --exclude='site' runs "$name.log" 2>/dev/null
+    trap - TERM
+    pack_e2e
     ;;
   dense)
     name=${2:?dense NAME PRESET PLAN [RUNS]}; preset=${3:?}; plan=${4:?}; runs=${5:-}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tarfile
 import time
 
@@ -63,3 +64,26 @@ def test_a_job_past_the_deadline_is_stopped_with_its_children_and_everything_com
         assert tar.extractfile("quick/result.txt").read().decode().strip() == "done"
     leftover = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"processes of the stopped job still running: {leftover}"
+
+
+def test_an_e2e_stage_stopped_at_the_deadline_returns_its_log_and_run_folders(tmp_path):
+    """The per-GPU deadline stops an e2e stage mid-run (the stage itself believes it has ten minutes):
+    the driver's log and the unfinished run's folder still come back in the job's tarball."""
+    jobs = tmp_path / "cut.jobs"
+    jobs.write_text("0 e2e-cut STAGE_DEADLINE_S=600 E2E_DEVICE=cpu E2E_STEPS=50000 E2E_PROBE_WARMUP=3 "
+                    "bash scripts/device_benchmarks.sh e2e cut dlrm 0 bf16\n")  # fmt: skip
+    out = tmp_path / "out"
+    env = {"OUT": str(out), "CALL_T0": str(int(time.time())), "STAGE_DEADLINE_S": "20",
+           "PATH": os.path.dirname(os.path.abspath(sys.executable)) + os.pathsep + os.environ["PATH"]}  # fmt: skip
+    proc = _run("device_per_gpu.sh", str(jobs), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "=== e2e-cut: stopped at the call's deadline" in (out / "summary.txt").read_text()
+    with tarfile.open(out / "e2e-cut.tar.gz") as job:
+        assert "=== e2e cut: stopped" in job.extractfile("e2e-cut/job.log").read().decode()
+        job.extract("e2e-cut/cut-runs.tar.gz", tmp_path, filter="data")
+    with tarfile.open(tmp_path / "e2e-cut" / "cut-runs.tar.gz") as runs:
+        names = runs.getnames()
+        assert "[e2e] dlrm / bf16 / seed 0 ..." in runs.extractfile("cut.log").read().decode()
+    assert "runs/dlrm/bf16/seed0/.hydra/config.yaml" in names
+    leftover = subprocess.run(["pgrep", "-f", "e2e_compare.py.*--name cut "], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes of the stopped stage still running: {leftover}"

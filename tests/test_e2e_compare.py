@@ -201,9 +201,7 @@ def test_profile_flags_and_where_the_step_goes_section():
     record = {"recipe": "dhen_large", "run": "loka", "seed": 0, "status": "ok", "command": "x",
               **e2e.metrics_from_summary(summary)}  # fmt: skip
     assert record["profile"] == profile
-    meta = {"date": "d", "device": "H100", "versions": {"torch": "2.13"}, "command": "c", "seconds": 1.0,
-            "settings": {"nproc": 1, "device": "cuda", "steps": 300, "window_start": 220, "autocast": "bf16",
-                         "seeds": [0], "recipes": ["dhen_large"]}}  # fmt: skip
+    meta = _report_meta("H100", "2.13", nproc=1, steps=300, window_start=220, recipe="dhen_large")
     md = e2e.to_markdown(meta, e2e.aggregate([record], ["dhen_large"], ["loka"]), [record])
     assert "## Where the step goes" in md and "steps 290..294" in md
     row = next(line for line in md.splitlines() if line.startswith("| dhen_large | loka | 0 |"))
@@ -324,6 +322,13 @@ def test_job_has_compile_option_reads_the_installed_config():
     assert e2e.job_has_compile_option() == ("compile" in config.train)
 
 
+def _report_meta(device, torch_version, nproc, steps, window_start, recipe):
+    """The header a report of one seed of ``recipe`` is rendered with."""
+    settings = {"nproc": nproc, "device": "cuda", "steps": steps, "window_start": window_start, "autocast": "bf16",
+                "seeds": [0], "recipes": [recipe]}  # fmt: skip
+    return {"date": "d", "device": device, "versions": {"torch": torch_version}, "command": "c", "seconds": 1.0, "settings": settings}
+
+
 def _rec(run, seed, ms, ne=0.8, status="ok", profile=None, mean_ms=None):
     return {"recipe": "r", "run": run, "seed": seed, "status": status, "eval_ne": ne, "median_step_ms": ms,
             "p10_step_ms": ms, "p90_step_ms": ms, "mean_step_ms": mean_ms or ms, "qps": 1000 / ms if ms else None, "eval_auc": 0.7,
@@ -411,9 +416,7 @@ def test_lokas_runs_without_mods_are_judged_against_lokas_bf16_on_the_users_mode
     assert rows["loka_nomods_compile"]["speed_reference"] == {0: {"run": "bf16_nomods_compile_cudagraphs", "median_step_ms": 12.5}}
     assert rows["loka_compile"]["speedup_vs_reference"] == pytest.approx(10.0 / 8.0)
     assert rows["plain_compile_cudagraphs"]["speedup_vs_reference"] == pytest.approx(10.0 / 11.0)
-    meta = {"date": "d", "device": "H200", "versions": {"torch": "2.11"}, "command": "c", "seconds": 1.0,
-            "settings": {"nproc": 1, "device": "cuda", "steps": 400, "window_start": 255, "autocast": "bf16",
-                         "seeds": [0], "recipes": ["r"]}}  # fmt: skip
+    meta = _report_meta("H200", "2.11", nproc=1, steps=400, window_start=255, recipe="r")
     md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
     assert ("Same architecture in bf16: seed 0: `bf16_compile_cudagraphs` (10.00 ms). For LoKA's runs without Mods "
             "(the user's model): seed 0: `bf16_nomods_compile_cudagraphs` (12.50 ms).") in md
@@ -428,6 +431,31 @@ def test_lokas_runs_without_mods_are_judged_against_lokas_bf16_on_the_users_mode
     assert rows["loka_nomods_compile"]["speedup_vs_reference"] == pytest.approx(10.0 / 12.0)
 
 
+def test_runs_under_dmpcollection_are_judged_against_the_same_architecture_under_dmpcollection():
+    """LoKA under DMPCollection is against ``bf16_dmpc2_compile`` (both carry the groups' extra
+    all-reduce), the runs under plain DMP keep ``bf16_compile*``, and the repeated pairs pair each
+    LoKA run only with the references of its own sharding."""
+    e2e = _driver()
+    assert e2e.under_dmpc("loka_dmpc2_compile_default_replay") and e2e.under_dmpc("bf16_dmpc2_compile")
+    assert not e2e.under_dmpc("loka_compile_default_replay") and not e2e.under_dmpc("nope")
+    records = [
+        _rec("bf16_dmpc2_compile", 0, 118.0), _rec("loka_dmpc2_compile_default_replay", 0, 97.0),
+        _rec("bf16_dmpc2_compile@2", 0, 116.0), _rec("bf16_compile", 0, 109.0), _rec("loka_compile_default_replay", 0, 84.0),
+    ]  # fmt: skip
+    runs = [r["run"] for r in records]
+    rows = {r["run"]: r for r in e2e.aggregate(records, ["r"], runs)}
+    dmpc = rows["loka_dmpc2_compile_default_replay"]
+    assert dmpc["speed_reference"] == {0: {"run": "bf16_dmpc2_compile", "median_step_ms": 118.0}}
+    assert dmpc["speed_reference_kind"] == "dmpc" and dmpc["speedup_vs_reference"] == pytest.approx(118.0 / 97.0)
+    assert rows["loka_compile_default_replay"]["speedup_vs_reference"] == pytest.approx(109.0 / 84.0)
+    meta = _report_meta("H200", "2.11", nproc=4, steps=200, window_start=100, recipe="r")
+    md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
+    assert ("Same architecture in bf16: seed 0: `bf16_compile` (109.00 ms). For the runs under DMPCollection "
+            "(groups of two ranks): seed 0: `bf16_dmpc2_compile` (118.00 ms).") in md
+    pairs = [line for line in md.splitlines() if line.startswith("| r | 0 | loka_")]
+    assert pairs == ["| r | 0 | loka_dmpc2_compile_default_replay (1) | bf16_dmpc2_compile (2) | 1.206x | 1.196x - 1.216x |"]
+
+
 def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
     e2e = _driver()
     profile = {"steps": [290, 294], "source": "cuda kernels", "wall_ms_per_step": 9.0, "kernel_ms_per_step": 8.0,
@@ -438,9 +466,7 @@ def test_markdown_names_the_reference_and_shows_plan_gemm_share_and_ceiling():
                 dispatch={"summary": "10/35 GEMMs in FP8 (scaled_mm:rowwise x10, bf16 x25)", "fp8_by_backend": {"scaled_mm": 10},
                           "fp8_gemms": 10, "gemms": 35}, peak_memory_gb=4.5, peak_memory_window_gb=2.25)  # fmt: skip
     records = [_rec("bf16", 0, 14.0), _rec("bf16_compile_cudagraphs", 0, 8.0), loka]
-    meta = {"date": "d", "device": "H100", "versions": {"torch": "2.13"}, "command": "c", "seconds": 1.0,
-            "settings": {"nproc": 1, "device": "cuda", "steps": 300, "window_start": 180, "autocast": "bf16",
-                         "seeds": [0], "recipes": ["r"]}}  # fmt: skip
+    meta = _report_meta("H100", "2.13", nproc=1, steps=300, window_start=180, recipe="r")
     runs = ["bf16", "bf16_compile_cudagraphs", "loka_compile"]
     md = e2e.to_markdown(meta, e2e.aggregate(records, ["r"], runs), records)
     assert "Same architecture in bf16: seed 0: `bf16_compile_cudagraphs` (8.00 ms)." in md
