@@ -1510,7 +1510,7 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     extra_head = " GEMM % | 2x ceiling |" if profiled else ""
     for recipe in a["recipes"]:
         mine = [r for r in rows if r["recipe"] == recipe]
-        with_mods = [r for r in mine if r.get("speed_reference_kind", "nomods" if r.get("speed_reference_without_mods") else "mods") == "mods"]
+        with_mods = [r for r in mine if r.get("speed_reference_kind") == "mods"]
         not_dmpc = [r for r in mine if r.get("speed_reference_kind") != "dmpc"]
         reference = (with_mods or not_dmpc)[0]["speed_reference"] if not_dmpc else {}
         user_reference = mine[0].get("user_job_reference", {}) if mine else {}
