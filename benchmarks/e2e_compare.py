@@ -849,6 +849,11 @@ def speed_references(
     return refs
 
 
+def _named(refs: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """Per seed, the run a reference is and its median step (what a report says of it)."""
+    return {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
+
+
 def _speedup(ok: List[Dict[str, Any]], refs: Dict[int, Dict[str, Any]]) -> Optional[float]:
     """Mean reference step time over mean step time of ``ok``, both over the seeds that have a reference."""
     paired = [r for r in ok if r["seed"] in refs and r.get("median_step_ms")]
@@ -880,10 +885,8 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
         ne_ref: Dict[int, Dict[str, Any]] = {}
         for name in reversed(NE_REFERENCES):  # the first name that completed wins
             ne_ref.update(_ok(records, recipe, name))
-        reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
-        user_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in user_refs.items()}
-        nomods_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in nomods_refs.items()}
-        dmpc_reference = {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in dmpc_refs.items()}
+        reference, user_reference = _named(refs), _named(user_refs)
+        nomods_reference, dmpc_reference = _named(nomods_refs), _named(dmpc_refs)
         for run in runs:
             if under_dmpc(run) and dmpc_refs:
                 own_refs, own_reference, kind = dmpc_refs, dmpc_reference, "dmpc"
@@ -902,7 +905,6 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
                 "reasons": sorted({r["reason"] for r in mine if r.get("reason")}),
                 "speed_reference": own_reference,
                 "speed_reference_kind": kind,  # mods: bf16_compile*; nomods: LoKA's bf16 on the user's model; dmpc
-                "speed_reference_without_mods": kind == "nomods",
                 "user_job_reference": user_reference,
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
@@ -1510,12 +1512,12 @@ def to_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], records: List[
     extra_head = " GEMM % | 2x ceiling |" if profiled else ""
     for recipe in a["recipes"]:
         mine = [r for r in rows if r["recipe"] == recipe]
-        with_mods = [r for r in mine if r.get("speed_reference_kind") == "mods"]
-        not_dmpc = [r for r in mine if r.get("speed_reference_kind") != "dmpc"]
-        reference = (with_mods or not_dmpc)[0]["speed_reference"] if not_dmpc else {}
+        by_kind: Dict[str, Dict[Any, Dict[str, Any]]] = {}  # each reference kind's (aggregate) first row's
+        for r in mine:
+            by_kind.setdefault(r["speed_reference_kind"], r["speed_reference"])
+        reference = by_kind.get("mods", by_kind.get("nomods", {}))
+        nomods, dmpc = by_kind.get("nomods"), by_kind.get("dmpc")
         user_reference = mine[0].get("user_job_reference", {}) if mine else {}
-        nomods = next((r["speed_reference"] for r in mine if r.get("speed_reference_without_mods")), None)
-        dmpc = next((r["speed_reference"] for r in mine if r.get("speed_reference_kind") == "dmpc"), None)
         replayed = sorted({(r["seed"], r["replay_plan"]) for r in records if r["recipe"] == recipe and r.get("replay_plan")})
         lines += [
             f"## {recipe}",

@@ -227,16 +227,16 @@ def quantize(
     return Fp8Tensor(data, scale.reciprocal().float(), fmt, granularity, (br, bk))
 
 
-FORWARD_SCALINGS = ("current", "delayed")
+SCALINGS = ("current", "delayed")
 """What scales a layer's FP8 operands (forward and ``dy`` alike): each tensor's own amax, or the
 largest of earlier calls' amaxes (``quantize(..., amax=)``); a ``LokaLinear`` setting, named here
 so that every part that measures or runs the GEMMs agrees on the names."""
 
 
 def check_scaling(value: str, field: str) -> None:
-    """Refuse a scaling setting other than :data:`FORWARD_SCALINGS`, naming ``field``."""
-    if value not in FORWARD_SCALINGS:
-        raise ValueError(f"{field}: expected one of {', '.join(FORWARD_SCALINGS)}, got {value!r}")
+    """Refuse a scaling setting other than :data:`SCALINGS`, naming ``field``."""
+    if value not in SCALINGS:
+        raise ValueError(f"{field}: expected one of {', '.join(SCALINGS)}, got {value!r}")
 
 AMAX_ORDERS = ("chunks", "rows", "whole")
 _AMAX_ORDER = "chunks"
