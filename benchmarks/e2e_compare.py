@@ -871,10 +871,13 @@ def _profile_means(ok: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
     }
 
 
-def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]) -> List[Dict[str, Any]]:
+def aggregate(
+    records: List[Dict[str, Any]], recipes: List[str], runs: List[str], ne_references: Sequence[str] = NE_REFERENCES
+) -> List[Dict[str, Any]]:
     """One row per recipe x run: means over the seeds that ran; speed-ups over the best bf16
-    compile mode of the same seed (:func:`speed_references`) and over eager bf16; NE vs eager bf16
-    paired by seed. Every row of a recipe names its per-seed reference in ``speed_reference``."""
+    compile mode of the same seed (:func:`speed_references`) and over eager bf16; NE vs the first
+    of ``ne_references`` that completed, paired by seed. Every row of a recipe names its per-seed
+    reference in ``speed_reference``."""
     rows = []
     for recipe in recipes:
         refs = speed_references(records, recipe)
@@ -883,7 +886,7 @@ def aggregate(records: List[Dict[str, Any]], recipes: List[str], runs: List[str]
         dmpc_refs = speed_references(records, recipe, DMPC_REFERENCES, None)
         eager = {s: r for s, r in _ok(records, recipe, FALLBACK_REFERENCE).items() if r.get("median_step_ms")}
         ne_ref: Dict[int, Dict[str, Any]] = {}
-        for name in reversed(NE_REFERENCES):  # the first name that completed wins
+        for name in reversed(ne_references):  # the first name that completed wins
             ne_ref.update(_ok(records, recipe, name))
         reference, user_reference = _named(refs), _named(user_refs)
         nomods_reference, dmpc_reference = _named(nomods_refs), _named(dmpc_refs)

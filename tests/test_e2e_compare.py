@@ -250,7 +250,7 @@ def test_combine_results_keeps_the_first_record_per_run_and_pairs_ne_by_seed(tmp
     assert combine.main(["--out", str(out), "--exclude", "dhen:torchao", first, second]) == 0
     text = (out.parent / "combined.md").read_text()
     assert "| dhen | loka | 0 | 16.00 | 1.250x | 1.250x | +0.00 [+0.00, +0.00] |" in text  # no compiled bf16: eager is the reference
-    assert "| dhen | te | 0 | 40.00 | 0.500x | 0.500x | +5.00 [+5.00, +5.00] |" in text
+    assert "| dhen | te | 0 | 40.00 | other call | other call | +5.00 [+5.00, +5.00] |" in text  # bf16 ran in a.json
     assert "- dhen: speed-up reference seed 0: `bf16` (20.00 ms)" in text
     assert "torchao" not in text.split("command:")[1].split("\n", 1)[1]  # excluded from the tables
     # with a compiled bf16 run in a later file, that one is the reference where it is faster
@@ -258,11 +258,38 @@ def test_combine_results_keeps_the_first_record_per_run_and_pairs_ne_by_seed(tmp
     assert combine.main(["--out", str(out), first, second, third]) == 0
     text = (out.parent / "combined.md").read_text()
     assert "- dhen: speed-up reference seed 0: `bf16_compile_cudagraphs` (12.00 ms)" in text
-    assert "| dhen | loka | 0 | 16.00 | 0.750x | 1.250x |" in text
+    assert "| dhen | loka | 0 | 16.00 | other call | 1.250x |" in text  # its compiled reference ran in c.json
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     with pytest.raises(ValueError, match="bad.json: not an e2e_compare.py result"):
         combine.load_records([str(bad)])
+
+
+def test_combine_results_names_runs_whose_mods_an_override_changed_and_compares_ne_with_a_chosen_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("combine_results", os.path.join(os.path.dirname(DRIVER), "combine_results.py"))
+    combine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(combine)
+    keep = "loka.mods.preset=custom loka.mods.block_norm=true loka.mods.hard_swish=true loka.mods.fuse_siblings=true loka.mods.pad_to_16=true"
+    first = _result_file(tmp_path / "a.json", [
+        ("dhen", "plain_compile", 0, "ok", 20.0, 0.80, f"train loka.enabled=false seed=0 {keep}"),  # LoKA off: Mods not applied
+        ("dhen", "bf16_compile", 0, "ok", 19.0, 0.88, "train loka.enabled=true loka.mods.preset=all seed=0"),
+    ])  # fmt: skip
+    second = _result_file(tmp_path / "b.json", [
+        ("dhen", "bf16_compile", 0, "ok", 19.5, 0.76, f"train loka.enabled=true loka.mods.preset=all seed=0 {keep}"),
+        ("dhen", "loka", 0, "ok", 15.0, 0.72, f"train loka.enabled=true loka.mods.preset=all seed=0 loka.mods.preset=custom loka.mods.pad_to_16=true"),
+    ])  # fmt: skip
+    runs = [r["run"] for r in combine.load_records([first, second])]
+    assert runs == ["plain_compile", "bf16_compile", "bf16_compile+mods=all_but_no_bias", "loka+mods=pad_to_16"]
+    out = tmp_path / "combined"
+    assert combine.main(["--out", str(out), "--ne-reference", "plain_compile", first, second]) == 0
+    text = (out.parent / "combined.md").read_text()
+    assert "NE vs `plain_compile` %" in text and "--ne-reference plain_compile" in text
+    assert "| dhen | bf16_compile | 0 | 19.00 | 1.000x | n/a | +10.00 [+10.00, +10.00] |" in text
+    assert "| dhen | bf16_compile+mods=all_but_no_bias | 0 | 19.50 | other call | n/a | -5.00 [-5.00, -5.00] |" in text
+    # the combined records are themselves an input: combining them again gives the same runs
+    assert [r["run"] for r in combine.load_records([str(out) + ".json"])] == runs
+    with pytest.raises(SystemExit):
+        combine.main(["--out", str(out), "--ne-reference", "bf16", first])  # no run named bf16
 
 
 def test_compiled_runs_and_their_modes(monkeypatch):

@@ -17,6 +17,7 @@ def _model() -> nn.Module:
 def test_presets_resolve_to_mods_in_application_order():
     assert ModsConfig().enabled == ()
     assert ModsConfig(preset="all").enabled == MOD_NAMES
+    assert ModsConfig(preset="all_but_no_bias").enabled == ("block_norm", "hard_swish", "fuse_siblings", "pad_to_16")
     assert ModsConfig(preset="custom", pad_to_16=True, no_bias=True).enabled == ("no_bias", "pad_to_16")
     assert ModsConfig(preset="custom").enabled == ()
     assert ModsConfig.only("fuse_siblings").enabled == ("fuse_siblings",)
@@ -27,6 +28,7 @@ def test_presets_resolve_to_mods_in_application_order():
     [
         ({"preset": "some"}, "ModsConfig.preset"),
         ({"preset": "none", "hard_swish": True}, "preset='custom'"),
+        ({"preset": "all_but_no_bias", "no_bias": True}, "^ModsConfig: preset='all_but_no_bias' keeps every bias, but no_bias is switched on"),
         ({"preset": "all", "block_size": 0}, "ModsConfig.block_size"),
         ({"preset": "all", "block_size": 2.5}, "ModsConfig.block_size"),
         ({"preset": "custom", "no_bias": 1}, "ModsConfig.no_bias: expected true or false, got 1"),
@@ -68,6 +70,20 @@ def test_preset_all_reports_every_mod_with_the_modules_it_touched():
     assert "pad_to_16: 2 module(s)" in str(report)
     with pytest.raises(KeyError):
         apply_mods(_model(), ModsConfig.only("hard_swish"))["no_bias"]
+
+
+def test_preset_all_but_no_bias_changes_the_model_as_all_does_except_that_every_bias_stays():
+    with_all, kept = _model(), _model()
+    apply_mods(with_all, ModsConfig(preset="all", block_size=16))
+    report = apply_mods(kept, ModsConfig(preset="all_but_no_bias", block_size=16))
+    assert [r.name for r in report] == [name for name in MOD_NAMES if name != "no_bias"]
+    assert [type(m) for m in kept.modules()] == [type(m) for m in with_all.modules()]
+    assert kept[0].bias is not None and with_all[0].bias is None
+    assert kept[3].bias is not None and with_all[3].bias is not None  # the prediction layer's, kept by both
+    x = torch.randn(5, 20)
+    with torch.no_grad():
+        kept[0].bias.zero_()  # with a zero bias the two models compute the same function
+        torch.testing.assert_close(kept(x), with_all(x), rtol=0, atol=0)
 
 
 def test_apply_mods_rejects_wrapped_models_and_bad_arguments():

@@ -16,7 +16,9 @@ The order matters in two places: biases go before fusion (a sibling group fuses 
 members agree on having a bias), and padding goes last, so a fused GEMM is padded once as a whole.
 """
 
-PRESETS: Tuple[str, ...] = ("none", "all", "custom")
+PRESETS: Tuple[str, ...] = ("none", "all", "all_but_no_bias", "custom")
+"""``none`` changes nothing, ``all`` applies every mod, ``all_but_no_bias`` every mod but
+``no_bias`` (the architecture changes that leave every bias in place), ``custom`` the switches."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +26,11 @@ class ModsConfig:
     """Which model changes to make (``loka.mods.*`` in the recipes).
 
     Attributes:
-        preset: ``"none"`` changes nothing; ``"all"`` turns every mod on; ``"custom"`` uses the
-            per-mod switches below. A switch set to ``True`` under ``"none"`` is an error (it
-            would be silently ignored otherwise).
+        preset: ``"none"`` changes nothing; ``"all"`` turns every mod on; ``"all_but_no_bias"``
+            every mod but ``no_bias`` (dropping biases is the one mod that costs eval NE in the
+            project's measurements, ``docs/mods.md``); ``"custom"`` uses the per-mod switches
+            below. A switch set to ``True`` under ``"none"``, or ``no_bias`` under
+            ``"all_but_no_bias"``, is an error (it would be silently ignored otherwise).
         no_bias: drop the bias of every linear layer but the kept ones (see :func:`no_bias`).
         block_norm: replace LayerNorms (also inside TorchRec's ``SwishLayerNorm``) by
             :class:`BlockNorm`, and ``F.layer_norm`` calls without weight or bias inside a
@@ -46,6 +50,8 @@ class ModsConfig:
 
         >>> ModsConfig(preset="all").enabled
         ('no_bias', 'block_norm', 'hard_swish', 'fuse_siblings', 'pad_to_16')
+        >>> ModsConfig(preset="all_but_no_bias").enabled
+        ('block_norm', 'hard_swish', 'fuse_siblings', 'pad_to_16')
         >>> ModsConfig(preset="custom", hard_swish=True, pad_to_16=True).enabled
         ('hard_swish', 'pad_to_16')
         >>> ModsConfig().enabled
@@ -75,6 +81,11 @@ class ModsConfig:
                     f"ModsConfig: preset='none' changes nothing, but {on} are switched on; "
                     f"use preset='custom' to apply single mods"
                 )
+        if self.preset == "all_but_no_bias" and self.no_bias:
+            raise ValueError(
+                "ModsConfig: preset='all_but_no_bias' keeps every bias, but no_bias is switched on; "
+                "use preset='all' to drop them"
+            )
         if self.block_size < 1:
             raise ValueError(f"ModsConfig.block_size must be an int >= 1, got {self.block_size!r}")
 
@@ -85,6 +96,8 @@ class ModsConfig:
             return ()
         if self.preset == "all":
             return MOD_NAMES
+        if self.preset == "all_but_no_bias":
+            return tuple(name for name in MOD_NAMES if name != "no_bias")
         return tuple(name for name in MOD_NAMES if getattr(self, name))
 
     @classmethod
