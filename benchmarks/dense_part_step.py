@@ -6,7 +6,7 @@ random pooled embeddings, bf16 weights, one forward and one backward per step, t
 events (median over ``--steps`` after ``--warmup``), every run in this one process:
 
 * ``bf16_compile``, ``bf16_compile_cudagraphs``, ``bf16_compile_max_autotune``: the model with the
-  Mods (``ModsConfig("all")``, as LoKA's runs use it) in bf16, ``torch.compile`` default /
+  Mods (``ModsConfig("all_but_no_bias")``, as ``e2e_compare.py``'s LoKA runs use them) in bf16, ``torch.compile`` default /
   ``reduce-overhead`` / ``max-autotune-no-cudagraphs`` (Inductor times its own GEMM templates and
   fused epilogues against cuBLAS at every shape);
 * ``bf16_nomods_compile_cudagraphs``: the plain model in bf16, compiled with CUDA graphs;
@@ -169,7 +169,7 @@ def build(preset: str, device: torch.device, mods: bool) -> DensePart:
     torch.manual_seed(0)
     model = DensePart(DhenOverArch(features, 13, config, device))
     if mods:
-        apply_mods(model, ModsConfig(preset="all"))
+        apply_mods(model, ModsConfig(preset="all_but_no_bias"))
     return model
 
 

@@ -222,12 +222,15 @@ class RunSpec:
             raise ValueError(f"RunSpec.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
 
+# The Mods of LoKA's runs and of the same architecture in bf16: every mod but no_bias, the one that costs
+# eval NE (docs/mods.md). Each run's command in a report names the preset it ran.
+MODS_OVERRIDE = "loka.mods.preset=all_but_no_bias"
 # The same architecture as LoKA's runs in bf16: Mods on, every GEMM bf16, the embedding comms fixed at
 # fp32 (TorchRec's own), so that it differs from LoKA's run by the FP8 GEMMs and LoKA's comms alone.
 _FP32_COMMS = ("loka.comms.forward=fp32", "loka.comms.backward=fp32")
-_BF16_AUTO_COMMS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=all")
+_BF16_AUTO_COMMS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", MODS_OVERRIDE)
 _BF16 = (*_BF16_AUTO_COMMS, *_FP32_COMMS)
-_BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=all", *_FP32_COMMS)
+_BF16_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", MODS_OVERRIDE, *_FP32_COMMS)
 # The user's model (no Mods) with LoKA on and every GEMM in bf16, with and without the Probe.
 _BF16_NOMODS = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=false", "loka.mods.preset=none", *_FP32_COMMS)
 _BF16_NOMODS_PROBED = ("loka.enabled=true", "loka.dispatch.mode=all-bf16", "loka.probe.enabled=true", "loka.mods.preset=none", *_FP32_COMMS)
@@ -238,13 +241,13 @@ _AUTO_ALLREDUCE = ("train.dense_allreduce=auto",)
 _FP8_ALLREDUCE = ("train.dense_allreduce=fp8",)  # LoKA's FP8 hook (a quarter of fp32's bytes, lossy)
 # Comms at the default ("auto": fp8 or fp32 per direction, from a timing of the run's all-to-all),
 # so the benchmark measures what a user gets.
-_LOKA = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=all")
+_LOKA = ("loka.enabled=true", "loka.probe.enabled=true", MODS_OVERRIDE)
 # LoKA as a user switches it on in an existing job (LokaConfig(enabled=True)): the model unchanged.
 _LOKA_NOMODS = ("loka.enabled=true", "loka.probe.enabled=true", "loka.mods.preset=none")
 _PLAIN = ("loka.enabled=false",)
 # A plan written by a LoKA run, loaded as it is: --replay-plan, else the plan this run wrote in the same call.
 PLAN_SOURCE_RUN = "loka_compile_default"
-_LOKA_REPLAY = ("loka.enabled=true", "loka.probe.enabled=false", "loka.mods.preset=all", "loka.dispatch.mode=pinned")
+_LOKA_REPLAY = ("loka.enabled=true", "loka.probe.enabled=false", MODS_OVERRIDE, "loka.dispatch.mode=pinned")
 # The probe steps' saved activations in pinned host memory (the eager steps' peak GPU memory).
 _OFFLOAD = "loka.probe.offload_activations=true"
 _LOOSE_GATES = ("loka.dispatch.max_mere=0.5", "loka.dispatch.min_grad_sqnr_db=10")

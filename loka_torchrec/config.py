@@ -41,8 +41,9 @@ class LokaRecipe(str, enum.Enum):
     embedding all-to-all precision is timed (``auto``); the model is not changed. The reference
     job's ``recipes/loka/default.yaml``, and ``LokaConfig(enabled=True)``."""
     ALL_MODS = "all_mods"
-    """``default`` with every model mod applied before conversion (``ModsConfig(preset="all")``):
-    the reference job's LoKA runs. Mods change the architecture and the checkpoint."""
+    """``default`` with every model mod applied before conversion (``ModsConfig(preset="all")``).
+    Mods change the architecture and the checkpoint; ``no_bias`` among them costs eval NE
+    (``docs/mods.md``), which ``ModsConfig(preset="all_but_no_bias")`` leaves out."""
     NO_PROBE = "no_probe"
     """``default`` without the Probe: no hooks; Dispatch plans once, at ``dispatch.plan_at_step``,
     from random-input evidence, and nothing watches the plan's numerics afterwards."""

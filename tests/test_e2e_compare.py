@@ -33,13 +33,13 @@ def test_run_overrides_and_window(monkeypatch):
     assert not any(item.startswith("loka.comms.") for item in loka)  # comms at the default: auto
     off = e2e.run_overrides(args, "hstu_large", e2e.RUNS["loka_comms_off"], 0)
     assert "loka.comms.forward=fp32" in off and "loka.comms.backward=fp32" in off
-    for item in ("loka.probe.enabled=true", "loka.mods.preset=all", "loka.probe.warmup_steps=200",
+    for item in ("loka.probe.enabled=true", "loka.mods.preset=all_but_no_bias", "loka.probe.warmup_steps=200",
                  "seed=1", "train.steps=600", "train.timing_start=500", "train.autocast=bf16"):
         assert item in loka
     assert loka[-1] == "data.batch_size=64"  # the user's overrides win
     assert "baseline.auto_filter=true" in e2e.run_overrides(args, "dlrm_large", e2e.RUNS["torchao_rowwise"], 0)
     bf16 = e2e.run_overrides(args, "dlrm_large", e2e.RUNS["bf16"], 0)
-    assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all" in bf16
+    assert "loka.dispatch.mode=all-bf16" in bf16 and "loka.mods.preset=all_but_no_bias" in bf16
     assert "train.compile=none" in bf16 and "train.compile=none" in loka  # eager says so: the job's default never decides
     # bf16 kernels with the Probe learning and planning: it plans at the same step as the LoKA runs
     probed = e2e.run_overrides(args, "hstu_large", e2e.RUNS["bf16_probed_compile_cudagraphs"], 0)
@@ -760,7 +760,7 @@ def test_a_replay_run_pins_the_plan_it_is_given_and_refuses_to_run_without_one(t
     args = e2e.parse_args(["--recipes", "dhen_xl", "--runs", "plain_compile,loka_compile_default_replay,loka_compile_default_replay@2",
                            "--steps", "200", "--replay-plan", str(plan)])  # fmt: skip
     replay = e2e.run_overrides(args, "dhen_xl", e2e.run_spec("loka_compile_default_replay@2"), 0)
-    for item in ("loka.dispatch.mode=pinned", f"loka.dispatch.plan_path={plan}", "loka.probe.enabled=false", "loka.mods.preset=all"):
+    for item in ("loka.dispatch.mode=pinned", f"loka.dispatch.plan_path={plan}", "loka.probe.enabled=false", "loka.mods.preset=all_but_no_bias"):
         assert item in replay
     assert not any(item.startswith("loka.dispatch.plan_path") for item in e2e.run_overrides(args, "dhen_xl", e2e.RUNS["plain_compile"], 0))
     dmpc = e2e.run_overrides(args, "dhen_xl", e2e.run_spec("loka_dmpc2_compile_default_replay"), 0)  # under DMPCollection
