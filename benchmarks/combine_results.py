@@ -38,7 +38,7 @@ from loka_torchrec.mods import MOD_NAMES, PRESETS, ModsConfig  # noqa: E402
 def mods_variant(command: str) -> str:
     """What Mods a run with LoKA on applied, when overrides after its own settings changed them:
     the name of the preset that applies the same mods, else the mods joined by ``,``; ``""`` when
-    LoKA is off or the run kept its own Mods.
+    LoKA is off or the run applied its own Mods (overridden or not).
 
     A run's command lists its own settings first and the call's extra overrides after them (the
     last value of a key wins, as in Hydra), so a ``loka.mods.*`` key after the run's first
@@ -50,22 +50,29 @@ def mods_variant(command: str) -> str:
         'pad_to_16'
         >>> mods_variant("train loka.enabled=false loka.mods.preset=custom loka.mods.pad_to_16=true")
         ''
+        >>> mods_variant("train loka.enabled=true loka.mods.preset=all_but_no_bias loka.mods.preset=all")
+        'all'
+        >>> mods_variant("train loka.enabled=true loka.mods.preset=all loka.mods.preset=all")
+        ''
     """
     settings: Dict[str, str] = {}
-    own_preset_seen, overridden = False, False
+    own_preset, overridden = None, False
     for token in command.split():
         key, sep, value = token.partition("=")
         if not sep or not key.startswith("loka."):
             continue
         if key.startswith("loka.mods."):
-            overridden = overridden or own_preset_seen
-            own_preset_seen = own_preset_seen or key == "loka.mods.preset"
+            overridden = overridden or own_preset is not None
+            if own_preset is None and key == "loka.mods.preset":
+                own_preset = value
         settings[key] = value
     if not overridden or settings.get("loka.enabled") != "true":
         return ""
     switches = {name: settings.get(f"loka.mods.{name}", "false") == "true" for name in MOD_NAMES}
     enabled = ModsConfig(preset="custom", **switches).enabled if settings.get("loka.mods.preset") == "custom" else (
         ModsConfig(preset=settings.get("loka.mods.preset", "none")).enabled)  # fmt: skip
+    if own_preset != "custom" and ModsConfig(preset=own_preset).enabled == enabled:
+        return ""
     named = [preset for preset in PRESETS if preset != "custom" and ModsConfig(preset=preset).enabled == enabled]
     return named[0] if named else ",".join(enabled)
 
