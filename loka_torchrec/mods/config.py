@@ -42,9 +42,10 @@ class ModsConfig:
         pad_to_16: zero-pad every linear layer so that its K and N are multiples of 16.
         block_size: BlockNorm's block width (features per RMS statistic), > 0.
         keep_bias: FQN globs of linear layers that keep their bias under ``no_bias``, on top of
-            the final prediction layer.
+            the final prediction layer (an error where ``no_bias`` is not applied).
         keep_prediction_bias: keep the final prediction layer's bias (see
-            :func:`~loka_torchrec.mods.prediction_layer_fqns`).
+            :func:`~loka_torchrec.mods.prediction_layer_fqns`; ``False`` is an error where
+            ``no_bias`` is not applied).
 
     Example::
 
@@ -85,6 +86,12 @@ class ModsConfig:
             raise ValueError(
                 "ModsConfig: preset='all_but_no_bias' keeps every bias, but no_bias is switched on; "
                 "use preset='all' to drop them"
+            )
+        if "no_bias" not in self.enabled and (self.keep_bias or not self.keep_prediction_bias):
+            field = "keep_bias" if self.keep_bias else "keep_prediction_bias"
+            raise ValueError(
+                f"ModsConfig.{field}: says which biases no_bias keeps, but no_bias is not applied "
+                f"(preset={self.preset!r}); use preset='all', or 'custom' with no_bias=true"
             )
         if self.block_size < 1:
             raise ValueError(f"ModsConfig.block_size must be an int >= 1, got {self.block_size!r}")
