@@ -6,9 +6,9 @@ random pooled embeddings, bf16 weights, one forward and one backward per step, t
 events (median over ``--steps`` after ``--warmup``), every run in this one process:
 
 * ``bf16_compile``, ``bf16_compile_cudagraphs``, ``bf16_compile_max_autotune``: the model with the
-  Mods (``ModsConfig("all_but_no_bias")``, as ``e2e_compare.py``'s LoKA runs use them) in bf16, ``torch.compile`` default /
-  ``reduce-overhead`` / ``max-autotune-no-cudagraphs`` (Inductor times its own GEMM templates and
-  fused epilogues against cuBLAS at every shape);
+  Mods (``ModsConfig("all_but_no_bias")``, as ``e2e_compare.py``'s LoKA runs use them) in bf16,
+  ``torch.compile`` default / ``reduce-overhead`` / ``max-autotune-no-cudagraphs`` (Inductor times
+  its own GEMM templates and fused epilogues against cuBLAS at every shape);
 * ``bf16_nomods_compile_cudagraphs``: the plain model in bf16, compiled with CUDA graphs;
 * ``torchao_tensorwise_compile``, ``torchao_rowwise_compile``: torchao's float8 training with its
   size filter on the plain model, compiled with CUDA graphs;
