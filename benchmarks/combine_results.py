@@ -28,9 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_compare import (  # noqa: E402  (the same aggregation as one call's report)
-    FALLBACK_REFERENCE, NE_REFERENCES, _fmt, _ok, _times, aggregate, plot, reference_words, speed_references,
-)
+from e2e_compare import NE_REFERENCES, _fmt, _times, aggregate, plot, reference_words  # noqa: E402  (the same aggregation as one call's report)
 
 from loka_torchrec.mods import MOD_NAMES, PRESETS, ModsConfig  # noqa: E402
 
@@ -147,8 +145,7 @@ def to_markdown(records: List[Dict[str, Any]], rows: List[Dict[str, Any]], comma
         if row["status"] == "not_run":
             continue
         rng = row.get("ne_vs_bf16_pct_range")
-        compiled, eager = (_in_one_call(records, row, refs) for refs in (
-            speed_references(records, row["recipe"]), _ok(records, row["recipe"], FALLBACK_REFERENCE)))  # fmt: skip
+        compiled, eager = (_in_one_call(records, row, row[refs]) for refs in ("speed_reference", "eager_reference"))
         lines.append(
             f"| {row['recipe']} | {row['run']} | {', '.join(map(str, row['seeds_ok']))} | {_fmt(row['median_step_ms'], '.2f')} "
             f"| {_side_by_side(row['speedup_vs_reference'], compiled)} | {_side_by_side(row['speedup_vs_bf16'], eager)} "
@@ -160,8 +157,9 @@ def to_markdown(records: List[Dict[str, Any]], rows: List[Dict[str, Any]], comma
 
 
 def _in_one_call(records: List[Dict[str, Any]], row: Dict[str, Any], refs: Dict[int, Dict[str, Any]]) -> bool:
-    """Whether each seed of ``row`` ran in the same file (device call) as its reference in ``refs``:
-    only then is a speed-up a side-by-side measurement, and the table prints it."""
+    """Whether each seed of ``row`` ran in the same file (device call) as its reference in ``refs``
+    (the row's own, as :func:`aggregate` chose it): only then is a speed-up a side-by-side
+    measurement, and the table prints it."""
     mine = [r for r in records if r["recipe"] == row["recipe"] and r["run"] == row["run"] and r["seed"] in refs]
     return bool(mine) and all(refs[r["seed"]]["source"] == r["source"] for r in mine)
 

@@ -853,8 +853,9 @@ def speed_references(
 
 
 def _named(refs: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
-    """Per seed, the run a reference is and its median step (what a report says of it)."""
-    return {seed: {"run": r["run"], "median_step_ms": r["median_step_ms"]} for seed, r in refs.items()}
+    """Per seed, the run a reference is and its median step (what a report says of it), and the file
+    it came from where records carry one (``combine_results.py``)."""
+    return {seed: {k: r[k] for k in ("run", "median_step_ms", "source") if k in r} for seed, r in refs.items()}
 
 
 def _speedup(ok: List[Dict[str, Any]], refs: Dict[int, Dict[str, Any]]) -> Optional[float]:
@@ -912,6 +913,7 @@ def aggregate(
                 "speed_reference": own_reference,
                 "speed_reference_kind": kind,  # mods: bf16_compile*; nomods: LoKA's bf16 on the user's model; dmpc
                 "user_job_reference": user_reference,
+                "eager_reference": _named(eager),
             }
             for key in ("median_step_ms", "p10_step_ms", "p90_step_ms", "mean_step_ms", "qps", "eval_ne", "eval_auc"):
                 row[key] = _mean([r.get(key) for r in ok])

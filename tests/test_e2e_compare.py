@@ -290,6 +290,13 @@ def test_combine_results_names_runs_whose_mods_an_override_changed_and_compares_
     assert [r["run"] for r in combine.load_records([str(out) + ".json"])] == runs
     with pytest.raises(SystemExit):
         combine.main(["--out", str(out), "--ne-reference", "bf16", first])  # no run named bf16
+    # LoKA without Mods is judged against its own reference (LoKA's bf16 on the user's model), here in its file
+    nomods = _result_file(tmp_path / "c.json", [
+        ("dhen", "bf16_nomods_compile_cudagraphs", 0, "ok", 18.0, 0.80, "train loka.enabled=true loka.mods.preset=none"),
+        ("dhen", "loka_nomods_compile", 0, "ok", 12.0, 0.80, "train loka.enabled=true loka.mods.preset=none"),
+    ])  # fmt: skip
+    assert combine.main(["--out", str(out), first, nomods]) == 0
+    assert "| dhen | loka_nomods_compile | 0 | 12.00 | 1.500x | n/a |" in (out.parent / "combined.md").read_text()
 
 
 def test_compiled_runs_and_their_modes(monkeypatch):
