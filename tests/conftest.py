@@ -24,6 +24,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches empty before and after the test: compile counts and graphs start from nothing
+    (a module's tests take it with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 # The longest tests (seconds each takes in the 2-worker run on 2 CI cores with cold caches, longest
 # first), run first: pytest-xdist hands tests out in collection order, so that the two workers end
 # together instead of one worker starting a minute-long job when the other has nothing left. A

@@ -15,7 +15,6 @@ import copy
 
 import pytest
 import torch
-import torch._dynamo
 from functorch.compile import make_boxed_func
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
@@ -30,11 +29,7 @@ TENSORWISE = LayerKernels.uniform(KernelChoice("scaled_mm", "tensorwise"))
 ROWS, WIDTH, OUT = 16, 64, 48
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _block(scaling: str) -> nn.Sequential:

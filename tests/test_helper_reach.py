@@ -15,7 +15,6 @@ import re
 
 import pytest
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
@@ -34,11 +33,7 @@ OUTPUT_DB = 18.0  # torchao's floor for an FP8 layer output
 LAYERS = {"positional": outside_models.UserHstuLayer, "keyword": outside_models.KeywordHstuLayer}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _hstu(layer: str) -> nn.Module:

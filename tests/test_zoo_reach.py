@@ -12,7 +12,6 @@ import importlib
 
 import pytest
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 
 import outside_models
@@ -21,11 +20,7 @@ import loka_torchrec
 from loka_torchrec.compile import dense_modules
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _readme_loop(model, config, run_dir, steps, compile="default"):
